@@ -1,0 +1,1 @@
+"""GPU kernels (Triton) for the sparse decode path, each beside its torch reference."""

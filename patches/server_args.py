@@ -1,0 +1,118 @@
+"""ServerArgs: our CLI flags, their validation at start-up, and the settings our backend needs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any, Callable
+
+from sglang_ext import config as sparse_config
+from sglang_ext.config import BACKEND_NAME
+
+logger = logging.getLogger(__name__)
+
+_CONFIG_ATTR = "_sglang_ext_config"
+_active: sparse_config.SparseConfig | None = None  # this process's config
+
+
+def _after_add_cli_args(result: Any, parser: argparse.ArgumentParser) -> None:
+    sparse_config.add_cli_args(parser)
+
+
+def _around_from_cli_args(original: Callable, cls: type, args: argparse.Namespace) -> Any:
+    try:
+        cfg = sparse_config.from_namespace(args)
+    except sparse_config.ConfigError as e:
+        raise SystemExit(f"sglang_ext: {e}") from None
+    server_args = original(cls, args)
+    attach_config(server_args, cfg)
+    if uses_sparse_backend(server_args):
+        _check_label_config(server_args, cfg)
+        _force_compatible_settings(server_args)
+    return server_args
+
+
+def attach_config(server_args: Any, cfg: sparse_config.SparseConfig) -> None:
+    # ServerArgs rejects bare attribute assignment after resolution; underscore names are
+    # exempt and survive pickling into the scheduler processes.
+    global _active
+    object.__setattr__(server_args, _CONFIG_ATTR, cfg)
+    _active = cfg
+
+
+def config_of(server_args: Any) -> sparse_config.SparseConfig:
+    """The config attached at start-up, or (sgl.Engine path, no CLI) $SGLANG_EXT_CONFIG."""
+    cfg = getattr(server_args, _CONFIG_ATTR, None)
+    if cfg is None:
+        cfg = sparse_config.from_namespace(argparse.Namespace())
+        attach_config(server_args, cfg)
+    return cfg
+
+
+def active_config() -> sparse_config.SparseConfig:
+    """This process's config (main process: from the CLI; scheduler: from its ServerArgs)."""
+    if _active is not None:
+        return _active
+    try:
+        from sglang.srt.server_args import get_global_server_args
+
+        return config_of(get_global_server_args())
+    except Exception:  # no server args in this process (e.g. a bare tokenizer-side check)
+        return sparse_config.from_namespace(argparse.Namespace())
+
+
+def uses_sparse_backend(server_args: Any) -> bool:
+    names = (
+        server_args.attention_backend,
+        server_args.decode_attention_backend,
+        server_args.prefill_attention_backend,
+    )
+    return BACKEND_NAME in names
+
+
+def _check_label_config(server_args: Any, cfg: sparse_config.SparseConfig) -> None:
+    """A label file calibrated for another model must stop start-up, not the first decode."""
+    if cfg.label_config is None:
+        return
+    from sglang_ext.selection.calibrate import load_label_config
+
+    mc = server_args.get_model_config()
+    try:
+        channels = load_label_config(
+            cfg.label_config,
+            num_layers=mc.num_hidden_layers,
+            num_kv_heads=mc.get_total_num_kv_heads(),
+            head_dim=mc.head_dim,
+        )
+    except ValueError as e:
+        raise SystemExit(f"sglang_ext: --sparse-label-config: {e}") from None
+    if cfg.label_channels > channels.shape[-1]:
+        raise SystemExit(
+            f"sglang_ext: --sparse-label-channels must be <= {channels.shape[-1]}, the channels "
+            f"calibrated in {cfg.label_config} (got {cfg.label_channels})"
+        )
+
+
+def _force_compatible_settings(server_args: Any) -> None:
+    """Settings that would route decode tokens around our backend, or that the reference
+    decode path cannot honour yet."""
+    if server_args.speculative_algorithm is not None:
+        raise SystemExit(
+            "sglang_ext: --speculative-algorithm cannot be combined with "
+            f"--attention-backend {BACKEND_NAME} (draft verification bypasses sparse decode)"
+        )
+    changes: dict[str, Any] = {}
+    if server_args.enable_mixed_chunk:
+        changes["enable_mixed_chunk"] = False  # mixed batches decode through forward_extend
+    if not server_args.disable_cuda_graph and server_args.device != "cpu":
+        # The reference decode loops over requests on the host: not capturable.
+        changes["disable_cuda_graph"] = True
+    if changes:
+        logger.info("sglang_ext: overriding %s for sparse decode", changes)
+        server_args.override("sglang_ext", **changes)
+
+
+HOOKS = (
+    ("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, "AFTER"),
+    ("sglang.srt.server_args.ServerArgs.from_cli_args", _around_from_cli_args, "AROUND"),
+)

@@ -1,0 +1,1 @@
+"""Attention backends registered into SGLang."""

@@ -1,0 +1,90 @@
+"""Per-request sparse settings, carried with the request in ``sampling_params.custom_params``.
+
+A request may ask for its own method and budget, e.g.
+``{"custom_params": {"sparse": {"method": "quest", "budget": 512}}}``, or
+``{"sparse": {"method": "dense"}}`` for exact attention. The KV itself does not depend on these
+settings, so requests with different settings still share prefixes through the radix cache
+(the accuracy suite prefills each sample once and decodes it under every method).
+
+Overrides are validated when the request arrives (a bad one is a 400, like a bad temperature)
+and recorded per ``req_pool_idx`` when the scheduler gives the request its row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional
+
+from sglang_ext.config import ConfigError, SparseConfig, build_config
+from sglang_ext.selection import SelectionParams
+
+OVERRIDE_KEY = "sparse"
+DENSE = "dense"
+OVERRIDABLE = ("method", "budget", "block_size", "candidate_blocks", "sink", "window")
+
+# What a request decodes with: SelectionParams, or None for dense attention.
+RequestSparsity = Optional[SelectionParams]
+
+
+def selection_params(cfg: SparseConfig) -> SelectionParams:
+    return SelectionParams(
+        method=cfg.method,
+        budget=cfg.budget,
+        block_size=cfg.block_size,
+        candidate_blocks=cfg.effective_candidate_blocks,
+        sink=cfg.sink,
+        window=cfg.window,
+    )
+
+
+def parse_override(custom_params: Optional[Mapping[str, Any]], base: SparseConfig) -> RequestSparsity:
+    """The request's sparsity; raises ValueError (one line) for a bad override."""
+    raw = (custom_params or {}).get(OVERRIDE_KEY)
+    if raw is None:
+        return selection_params(base)
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"custom_params.{OVERRIDE_KEY} must be an object, got {raw!r}")
+    unknown = set(raw) - set(OVERRIDABLE)
+    if unknown:
+        raise ValueError(
+            f"custom_params.{OVERRIDE_KEY} has unknown keys {sorted(unknown)}; "
+            f"allowed: {', '.join(OVERRIDABLE)}"
+        )
+    if raw.get("method") == DENSE:
+        return None
+    values = dataclasses.asdict(base)
+    if "budget" in raw and "candidate_blocks" not in raw:
+        values["candidate_blocks"] = 0  # re-derive the automatic value from the new budget
+    values.update(raw)
+    try:
+        return selection_params(build_config(**values))
+    except ConfigError as e:
+        raise ValueError(f"custom_params.{OVERRIDE_KEY}: {e}") from None
+
+
+_TABLE_ATTR = "_sglang_ext_sparsity"
+
+
+def record(req_to_token_pool: Any, reqs: list, base: SparseConfig) -> None:
+    """Remember each request's sparsity under its row (called when rows are handed out)."""
+    table = _table(req_to_token_pool)
+    for req in reqs:
+        if req.req_pool_idx is not None:
+            table[req.req_pool_idx] = parse_override(req.sampling_params.custom_params, base)
+
+
+def forget(req_to_token_pool: Any, row: Optional[int]) -> None:
+    if row is not None:
+        _table(req_to_token_pool).pop(row, None)
+
+
+def lookup(req_to_token_pool: Any, row: int, default: SelectionParams) -> RequestSparsity:
+    return _table(req_to_token_pool).get(row, default)
+
+
+def _table(req_to_token_pool: Any) -> dict[int, RequestSparsity]:
+    table = getattr(req_to_token_pool, _TABLE_ATTR, None)
+    if table is None:
+        table = {}
+        setattr(req_to_token_pool, _TABLE_ATTR, table)
+    return table

@@ -1,0 +1,194 @@
+"""``sglang_ext``: SGLang attention backend with two-level sparse decode.
+
+Prefill/extend is dense and delegated to one of SGLang's own backends (the "dense delegate");
+decode selects, per request and kv head, the tokens to attend (quest / ds / two_level) and
+attends over them only. Contexts within the budget decode densely, computed exactly as SGLang's
+torch_native backend does, so that a budget ≥ context reproduces SGLang token for token.
+
+This file is the reference (plain torch) decode path: one request at a time, selection recomputed
+from the keys every step. It runs on the CPU and, eagerly, on CUDA; the GPU kernels replace it
+on CUDA (issue: GPU kernels for the sparse decode path).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+from sglang_ext.attention import request_overrides
+from sglang_ext.attention.request_overrides import RequestSparsity
+from sglang_ext.config import SparseConfig
+from sglang_ext.selection import select_token_mask, sparse_attention
+from sglang_ext.selection.calibrate import load_label_config
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeMetadata:
+    """Host-side view of one decode batch, built once per step and shared by all layers."""
+
+    req_pool_indices: list[int]
+    seq_lens: list[int]
+    sparsity: list[RequestSparsity]  # per request: its selection params, None = dense
+
+
+class SparseDecodeBackend(AttentionBackend):
+    """Dense extend via a delegate backend; sparse decode via the reference selection."""
+
+    needs_cpu_seq_lens = True  # the reference path loops over requests on the host
+
+    def __init__(self, model_runner: ModelRunner, config: SparseConfig) -> None:
+        super().__init__()
+        self.model_runner = model_runner
+        self.config = config
+        self.device = model_runner.device
+        # SGLang reads the pools from the active backend (forward_context), so expose them.
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self._dense: Optional[AttentionBackend] = None
+        self.decode_metadata: Optional[DecodeMetadata] = None
+        self.default_params = request_overrides.selection_params(config)
+        self.label_channels = self._load_label_channels(model_runner, config)
+
+    # ------------------------------------------------------------------ set-up
+
+    @staticmethod
+    def _load_label_channels(
+        model_runner: ModelRunner, config: SparseConfig
+    ) -> Optional[torch.Tensor]:
+        """[num_layers, kv_heads, r] channel ids for token scores, or None (all channels)."""
+        if config.label_config is None:
+            return None
+        mc = model_runner.model_config
+        channels = load_label_config(
+            config.label_config,
+            num_layers=mc.num_hidden_layers,
+            num_kv_heads=mc.get_total_num_kv_heads(),
+            head_dim=mc.head_dim,
+        )
+        if config.label_channels > channels.shape[-1]:
+            raise ValueError(
+                f"--sparse-label-channels {config.label_channels} exceeds the "
+                f"{channels.shape[-1]} channels calibrated in {config.label_config}"
+            )
+        return channels[..., : config.label_channels].to(model_runner.device)
+
+    def _dense_backend(self) -> AttentionBackend:
+        """The SGLang backend that runs prefill/extend (built lazily: under HybridAttnBackend
+        SGLang sends extend elsewhere and this one is never needed)."""
+        if self._dense is None:
+            from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+            name = self.config.dense_backend
+            if name == "auto":
+                name = "torch_native" if self.device == "cpu" else "triton"
+            self._dense = ATTENTION_BACKENDS[name](self.model_runner)
+        return self._dense
+
+    # --------------------------------------------------------------- metadata
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        mode = forward_batch.forward_mode
+        if mode.is_decode_or_idle():
+            if mode.is_idle():
+                self.decode_metadata = None
+                return
+            seq_lens_cpu = forward_batch.seq_lens_cpu
+            if seq_lens_cpu is None:
+                seq_lens_cpu = forward_batch.seq_lens.cpu()
+            rows = forward_batch.req_pool_indices.tolist()
+            self.decode_metadata = DecodeMetadata(
+                req_pool_indices=rows,
+                seq_lens=seq_lens_cpu.tolist(),
+                sparsity=[
+                    request_overrides.lookup(self.req_to_token_pool, row, self.default_params)
+                    for row in rows
+                ],
+            )
+        else:
+            self._dense_backend().init_forward_metadata(forward_batch)
+
+    # ---------------------------------------------------------------- forward
+
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **kwargs,
+    ) -> torch.Tensor:
+        return self._dense_backend().forward_extend(
+            q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs
+        )
+
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        **kwargs,
+    ) -> torch.Tensor:
+        meta = self.decode_metadata
+        assert meta is not None, "init_forward_metadata was not called for this decode batch"
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(
+                layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v
+            )
+        q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        out = q.new_empty((q.shape[0], layer.tp_q_head_num, layer.v_head_dim))
+        k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_buf = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        req_to_token = self.req_to_token_pool.req_to_token
+        channels = None if self.label_channels is None else self.label_channels[layer.layer_id]
+
+        for i, (row, seq_len, params) in enumerate(
+            zip(meta.req_pool_indices, meta.seq_lens, meta.sparsity)
+        ):
+            slots = req_to_token[row, :seq_len]
+            keys = k_buf[slots]  # [L, Hkv, D]
+            values = v_buf[slots]
+            if params is None or seq_len <= params.budget:
+                out[i] = _dense_decode_like_sglang(q[i], keys, values, layer.scaling)
+            else:
+                mask = select_token_mask(q[i], keys, params, channels)
+                out[i] = sparse_attention(q[i], keys, values, mask, layer.scaling)
+        return out.view(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+
+    def support_triton(self) -> bool:
+        return self.device != "cpu"
+
+
+def _dense_decode_like_sglang(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """One request's dense decode, the same SDPA call (layout, dtype, GQA) as SGLang's
+    torch_native backend, so that dense decode through us is bit-identical to it."""
+    q_ = q.unsqueeze(1)  # [Hq, 1, D]
+    k_ = keys.movedim(0, 1)  # [Hkv, L, D]
+    v_ = values.movedim(0, 1)
+    if not (q_.dtype == k_.dtype == v_.dtype):
+        k_, v_ = k_.to(q_.dtype), v_.to(q_.dtype)
+    o = scaled_dot_product_attention(
+        q_.unsqueeze(0), k_.unsqueeze(0), v_.unsqueeze(0),
+        enable_gqa=q_.shape[0] != k_.shape[0], scale=scaling, is_causal=False,
+    )
+    return o.squeeze(0).squeeze(1)  # [Hq, Dv]

@@ -1,0 +1,61 @@
+"""The SGLang general plugin (entry point group ``sglang.srt.plugins``).
+
+SGLang calls :func:`register` once in every process (main, scheduler), then applies the hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+import pkgutil
+
+logger = logging.getLogger(__name__)
+_registered = False
+
+
+def _patch_modules() -> list:
+    from sglang_ext.patches import (
+        attention_registry,
+        req_to_token_pool,
+        sampling_params,
+        server_args,
+    )
+
+    return [server_args, attention_registry, sampling_params, req_to_token_pool]
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    modules = _patch_modules()
+    for module in modules:
+        for target, _hook, _kind in module.HOOKS:
+            _assert_resolves(target)
+    for module in modules:
+        setup = getattr(module, "setup", None)
+        if setup is not None:
+            setup()
+        for target, hook, kind in module.HOOKS:
+            HookRegistry.register(target, hook, HookType[kind])
+    _registered = True
+
+
+def hook_targets() -> list[str]:
+    return [target for module in _patch_modules() for target, _, _ in module.HOOKS]
+
+
+def _assert_resolves(target: str) -> None:
+    """Fail start-up loudly: SGLang's HookRegistry only logs a target it cannot resolve, and a
+    silently missing hook would serve with the wrong behaviour. SystemExit is not swallowed by
+    the plugin loader's ``except Exception``."""
+    module_path, _, attr = target.rpartition(".")
+    try:
+        owner = pkgutil.resolve_name(module_path)
+        getattr(owner, attr)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(
+            f"sglang_ext: hook target {target} does not resolve in this SGLang ({e}); "
+            "sglang_ext needs sglang==0.5.16"
+        ) from None

@@ -1,0 +1,27 @@
+"""Token selection for two-level sparse decode attention (Quest blocks, then DS tokens)."""
+
+from sglang_ext.selection.reference import (
+    METHODS,
+    SelectionParams,
+    block_minmax,
+    label_token_scores,
+    merge_attention_states,
+    quest_block_scores,
+    select_token_mask,
+    sparse_attention,
+    sparse_attention_with_lse,
+    sparse_decode,
+)
+
+__all__ = [
+    "METHODS",
+    "SelectionParams",
+    "block_minmax",
+    "label_token_scores",
+    "merge_attention_states",
+    "quest_block_scores",
+    "select_token_mask",
+    "sparse_attention",
+    "sparse_attention_with_lse",
+    "sparse_decode",
+]

@@ -1,0 +1,102 @@
+"""Our flags: shown in --help, and every invalid value stops start-up with one clear line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from sglang_ext.config import ConfigError, build_config
+from server_utils import LABELS, free_port, launch_command, server_env
+
+
+@pytest.mark.parametrize(
+    "values, flag",
+    [
+        ({"budget": -1}, "--sparse-budget"),
+        ({"budget": "many"}, "--sparse-budget"),
+        ({"block_size": 12}, "--sparse-block-size"),
+        ({"method": "topk"}, "--sparse-method"),
+        ({"budget": 64, "sink": 16, "window": 64}, "--sparse-budget"),
+        ({"sink": -2}, "--sparse-sink"),
+        ({"window": 0}, "--sparse-window"),
+        ({"candidate_blocks": -1}, "--sparse-candidate-blocks"),
+        ({"label_channels": 0}, "--sparse-label-channels"),
+        ({"label_config": "/nonexistent.json"}, "--sparse-label-config"),
+        ({"dense_backend": "fa9"}, "--sparse-dense-backend"),
+    ],
+)
+def test_invalid_values_name_the_flag(values, flag):
+    with pytest.raises(ConfigError) as e:
+        build_config(**values)
+    message = str(e.value)
+    assert flag in message and "\n" not in message
+
+
+def test_valid_values_and_auto_candidates():
+    cfg = build_config(budget="512", block_size="32", sink="0", window="32", method="quest")
+    assert (cfg.budget, cfg.block_size, cfg.method) == (512, 32, "quest")
+    assert cfg.effective_candidate_blocks == 2 * (480 // 32)
+
+
+def _run_server(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        launch_command(args, free_port()), capture_output=True, text=True, timeout=timeout,
+        env=server_env(),
+    )
+
+
+def test_help_lists_our_flags():
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True,
+        text=True, timeout=240, env=server_env(),
+    )
+    assert out.returncode == 0
+    for flag in ("--sparse-budget", "--sparse-block-size", "--sparse-candidate-blocks",
+                 "--sparse-sink", "--sparse-window", "--sparse-label-channels",
+                 "--sparse-method", "--sparse-label-config"):
+        assert flag in out.stdout
+    assert "sglang_ext" in out.stdout  # the backend name is an allowed --attention-backend
+
+
+BAD_LAUNCHES = [
+    (["--sparse-budget", "-5"], "--sparse-budget"),
+    (["--sparse-block-size", "24"], "--sparse-block-size"),
+    (["--sparse-method", "random"], "--sparse-method"),
+    (["--sparse-budget", "64", "--sparse-sink", "32", "--sparse-window", "64"], "--sparse-budget"),
+]
+
+
+@pytest.mark.server
+def test_bad_flags_stop_startup_with_one_line():
+    """A real launch with each bad value exits before loading the model, saying which flag."""
+    procs = [
+        subprocess.Popen(
+            launch_command(["--attention-backend", "sglang_ext", *args], free_port()),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=server_env(),
+        )
+        for args, _ in BAD_LAUNCHES
+    ]
+    for proc, (args, flag) in zip(procs, BAD_LAUNCHES):
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode != 0, args
+        last = stderr.strip().splitlines()[-1]
+        assert last.startswith("sglang_ext: ") and flag in last, (args, stderr[-2000:])
+        assert "Traceback" not in stderr
+
+
+@pytest.mark.server
+def test_label_config_for_another_model_is_rejected(tmp_path):
+    import json
+
+    with open(LABELS) as f:
+        labels = json.load(f)
+    labels["model"]["num_layers"] -= 1
+    labels["channels"] = labels["channels"][:-1]
+    bad = tmp_path / "labels.json"
+    bad.write_text(json.dumps(labels))
+    out = _run_server(["--attention-backend", "sglang_ext", "--sparse-label-config", str(bad)])
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("sglang_ext: --sparse-label-config") and "layers" in last, out.stderr[-2000:]
