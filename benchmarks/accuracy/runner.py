@@ -1,0 +1,498 @@
+"""Run the accuracy tasks against any running SGLang server through the frontend language.
+
+Each request carries its sparse settings in ``sampling_params.custom_params`` (see "Per-request
+settings" in the README), so one server with ``--attention-backend sglang_ext`` decodes the
+same samples densely and under every (method, budget). The order makes each sample's prefill
+happen once: for a chunk of samples, dense first (it prefills them), then every sparse setting
+on the same prompts, which the radix cache serves from the dense request's KV.
+
+Results: one row per (task, context, method, budget), merged into a JSON file, rendered as a
+markdown table and a plot (see :func:`write_results`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import platform
+import subprocess
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import requests
+import sglang as sgl
+from sglang.global_config import global_config
+from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
+from tqdm import tqdm
+
+from benchmarks.accuracy import tasks as T
+
+METHODS = ("quest", "ds", "two_level")
+DENSE = "dense"
+# Upper bounds of sink / window; small budgets get smaller ones (see sparse_settings).
+DEFAULT_SINK = 16
+DEFAULT_WINDOW = 64
+KEY_FIELDS = ("task", "context", "method", "budget")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# --------------------------------------------------------------------------------------
+# The frontend backend that adds custom_params to every request
+# --------------------------------------------------------------------------------------
+
+
+class SparseRuntimeEndpoint(RuntimeEndpoint):
+    """``sgl.RuntimeEndpoint`` that puts ``custom_params`` into each request's sampling params.
+
+    ``sgl.gen`` has no ``custom_params`` argument. This backend adds ``custom_params`` (given
+    here) to every generate request; a program may override it per call with an argument named
+    ``custom_params`` (``None`` sends none), so one ``run_batch`` can mix settings.
+    """
+
+    def __init__(self, base_url: str, custom_params: Optional[dict] = None, **kwargs: Any):
+        super().__init__(base_url, **kwargs)
+        self.custom_params = custom_params
+
+    def _custom_params(self, s: Any) -> Optional[dict]:
+        args = getattr(s, "arguments", None) or {}
+        return args["custom_params"] if "custom_params" in args else self.custom_params
+
+    def _with_custom_params(self, s: Any, sampling_params: Any) -> Any:
+        custom = self._custom_params(s)
+        if custom is None:
+            return sampling_params
+        # A per-request copy whose to_srt_kwargs() (what the base class sends as
+        # "sampling_params") also carries custom_params; the base class may still adjust the
+        # copy's fields (dtype -> regex) before it is serialised.
+        params = copy.copy(sampling_params)
+        base = params.to_srt_kwargs
+        params.to_srt_kwargs = lambda: {**base(), "custom_params": custom}
+        return params
+
+    def generate(self, s, sampling_params):
+        return super().generate(s, self._with_custom_params(s, sampling_params))
+
+    def generate_stream(self, s, sampling_params):
+        return super().generate_stream(s, self._with_custom_params(s, sampling_params))
+
+
+@sgl.function
+def answer_program(s, prompt, max_tokens, custom_params=None):
+    # `prompt` is already chat-templated (tasks.py), so it is appended verbatim; custom_params
+    # is read by SparseRuntimeEndpoint.
+    s += prompt
+    s += sgl.gen("answer", max_tokens=max_tokens, temperature=0)
+
+
+# --------------------------------------------------------------------------------------
+# Settings
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setting:
+    method: str  # "dense", a sparse method, or a reference server's name
+    budget: int  # 0 when not sparse
+    custom_params: Optional[dict]  # what the request carries (None: nothing)
+
+    @property
+    def label(self) -> tuple[str, int]:
+        return self.method, self.budget
+
+
+def sparse_settings(methods: Sequence[str], budgets: Sequence[int], block_size: int,
+                    sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW) -> list[Setting]:
+    """Dense first, then every (method, budget). Sink and window shrink for small budgets
+    (sink <= budget/8, window <= budget/4) so that budget 64 is valid and still leaves most of
+    it to the selected tokens."""
+    out = [Setting(DENSE, 0, {"sparse": {"method": DENSE}})]
+    for m in methods:
+        if m == DENSE:
+            continue
+        if m not in METHODS:
+            raise ValueError(f"unknown method {m!r}; known: {', '.join(METHODS)}, dense")
+        for b in budgets:
+            out.append(Setting(m, b, {"sparse": {
+                "method": m, "budget": b, "block_size": block_size,
+                "sink": min(sink, b // 8), "window": max(1, min(window, b // 4)),
+            }}))
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------
+
+
+def server_info(url: str) -> dict:
+    try:
+        r = requests.get(url + "/server_info", timeout=60)
+        r.raise_for_status()
+        return r.json()
+    except (requests.RequestException, ValueError):
+        return {}
+
+
+def kv_pool_tokens(info: dict, default: int = 16384) -> int:
+    for key in ("max_total_num_tokens", "max_total_tokens"):
+        v = info.get(key)
+        if isinstance(v, int) and v > 0:
+            return v
+    return default
+
+
+@dataclass
+class Result:
+    sample: T.Sample
+    setting: Setting
+    output: str
+    credit: float
+    meta: dict
+
+
+@dataclass
+class SuiteRun:
+    rows: list[dict]
+    results: list[Result]
+    stopped_early: bool
+
+
+def _run_requests(endpoint: SparseRuntimeEndpoint, items: list[tuple[T.Sample, Setting]],
+                  parallel: int, bar: Optional[tqdm]) -> list[Result]:
+    if not items:
+        return []
+    batch = [{"prompt": s.prompt, "max_tokens": s.max_new_tokens, "custom_params": st.custom_params}
+             for s, st in items]
+    out = []
+    states = answer_program.run_batch(batch, backend=endpoint, num_threads=max(1, parallel),
+                                      generator_style=True, progress_bar=False)
+    for (sample, setting), state in zip(items, states):
+        err = state.error()
+        if err is not None:
+            raise RuntimeError(f"{sample.task}@{sample.context} #{sample.index} "
+                               f"{setting.method}/{setting.budget}: {err}")
+        text = state["answer"]
+        meta = state.get_meta_info("answer") or {}
+        out.append(Result(sample, setting, text, T.score(sample, text), meta))
+        if bar is not None:
+            bar.update(1)
+    return out
+
+
+def group_samples(samples: Iterable[T.Sample]) -> "OrderedDict[tuple[str, int], list[T.Sample]]":
+    groups: OrderedDict[tuple[str, int], list[T.Sample]] = OrderedDict()
+    for s in samples:
+        groups.setdefault((s.task, s.context), []).append(s)
+    return groups
+
+
+def chunk_size(context: int, parallel: int, pool_tokens: int) -> int:
+    """Samples prefilled together: at most `parallel`, and their prompts fill at most half of
+    the KV pool, so they stay in the radix cache while every setting decodes them."""
+    return max(1, min(parallel, (pool_tokens // 2) // max(1, context)))
+
+
+def run_suite(url: str, samples: Sequence[T.Sample], settings: Sequence[Setting], *,
+              parallel: int = 2, deadline: Optional[float] = None, progress: bool = True,
+              on_rows: Optional[Callable[[list[dict]], None]] = None) -> SuiteRun:
+    """Run every sample under every setting (the first one prefills: put dense first).
+
+    ``deadline`` (time.time()) stops between chunks; rows then hold the samples done so far.
+    ``on_rows`` receives the rows of each finished (task, context) group.
+    """
+    global_config.enable_precache_with_tracing = False  # our prefixes are per sample
+    endpoint = SparseRuntimeEndpoint(url)
+    pool = kv_pool_tokens(server_info(url))
+    groups = group_samples(samples)
+    bar = tqdm(total=len(samples) * len(settings), unit="req", disable=not progress,
+               dynamic_ncols=True)
+    all_rows: list[dict] = []
+    all_results: list[Result] = []
+    stopped = False
+    try:
+        for (task, context), group in groups.items():
+            bar.set_description(f"{task}@{context}")
+            results: list[Result] = []
+            step = chunk_size(context, parallel, pool)
+            for i in range(0, len(group), step):
+                if deadline is not None and time.time() > deadline:
+                    stopped = True
+                    break
+                part = group[i:i + step]
+                results += _run_requests(endpoint, [(s, settings[0]) for s in part], parallel, bar)
+                results += _run_requests(endpoint, [(s, st) for s in part for st in settings[1:]],
+                                         parallel, bar)
+            rows = make_rows(results, settings)
+            all_rows += rows
+            all_results += results
+            if rows and on_rows is not None:
+                on_rows(rows)
+            if stopped:
+                break
+    finally:
+        bar.close()
+    return SuiteRun(all_rows, all_results, stopped)
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def make_rows(results: Sequence[Result], settings: Sequence[Setting]) -> list[dict]:
+    rows = []
+    by_key: OrderedDict[tuple, list[Result]] = OrderedDict()
+    for r in results:
+        by_key.setdefault((r.sample.task, r.sample.context) + r.setting.label, []).append(r)
+    for (task, context, method, budget), rs in by_key.items():
+        sparse = (rs[0].setting.custom_params or {}).get("sparse", {})
+        row = {
+            "task": task,
+            "context": context,
+            "method": method,
+            "budget": budget,
+            "score": round(100.0 * _mean([r.credit for r in rs]), 2),
+            "n": len(rs),
+            # Summed request latency (server-side e2e) of the row's requests; requests overlap
+            # when parallel > 1, and dense rows include the prefill.
+            "seconds": round(sum(float(r.meta.get("e2e_latency") or 0.0) for r in rs), 2),
+            "prompt_tokens": round(_mean([r.meta.get("prompt_tokens", 0) for r in rs]), 1),
+            "cached_tokens": round(_mean([r.meta.get("cached_tokens", 0) for r in rs]), 1),
+            "completion_tokens": round(_mean([r.meta.get("completion_tokens", 0) for r in rs]), 1),
+        }
+        for k in ("block_size", "sink", "window"):
+            if k in sparse:
+                row[k] = sparse[k]
+        rows.append(row)
+    return rows
+
+
+def add_agreement(rows: list[dict], results: Sequence[Result], baseline: Sequence[Result],
+                  method: str = DENSE) -> None:
+    """Add ``same_as_dense`` to each row: the % of its samples whose output equals the output
+    of ``method`` (our dense override) on the same sample in ``baseline``."""
+    sample_key = lambda r: (r.sample.task, r.sample.context, r.sample.index)  # noqa: E731
+    base = {sample_key(r): r.output for r in baseline if r.setting.method == method}
+    for row in rows:
+        rs = [r for r in results if (r.sample.task, r.sample.context) == (row["task"], row["context"])
+              and r.setting.label == (row["method"], row["budget"])]
+        same = sum(base.get(sample_key(r)) == r.output for r in rs)
+        row["same_as_dense"] = round(100.0 * same / max(1, len(rs)), 1)
+
+
+# --------------------------------------------------------------------------------------
+# Results: JSON (merged), markdown, plot
+# --------------------------------------------------------------------------------------
+
+
+def git_commit() -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, python {platform.python_version()}"
+
+
+def validate_row(row: dict) -> None:
+    """Raise ValueError unless ``row`` is a well-formed result row."""
+    for k, typ in (("task", str), ("context", int), ("method", str), ("budget", int),
+                   ("n", int), ("score", (int, float)), ("seconds", (int, float))):
+        if not isinstance(row.get(k), typ) or isinstance(row.get(k), bool):
+            raise ValueError(f"row field {k!r} missing or not {typ}: {row!r}")
+    if not 0 <= row["score"] <= 100:
+        raise ValueError(f"score out of range: {row!r}")
+    if row["n"] < 1 or row["context"] < 1 or row["budget"] < 0 or row["seconds"] < 0:
+        raise ValueError(f"bad counts: {row!r}")
+    if (row["method"] in METHODS) != (row["budget"] > 0):
+        raise ValueError(f"sparse methods need a budget, others budget 0: {row!r}")
+
+
+def _row_key(row: dict) -> tuple:
+    return tuple(row[k] for k in KEY_FIELDS)
+
+
+def _order(row: dict) -> tuple:
+    task_i = T.TASKS.index(row["task"]) if row["task"] in T.TASKS else len(T.TASKS)
+    meth = row["method"]
+    meth_i = (0 if meth == DENSE else 1 + METHODS.index(meth) if meth in METHODS else 9)
+    return task_i, row["task"], row["context"], meth_i, meth, row["budget"]
+
+
+def merge_results(path: str, rows: Sequence[dict], header: dict) -> dict:
+    """Merge ``rows`` into the JSON at ``path`` (same key replaces), update the header fields."""
+    doc: dict = {}
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            doc = {}
+    merged = {_row_key(r): r for r in doc.get("rows", []) if isinstance(r, dict) and all(k in r for k in KEY_FIELDS)}
+    for r in rows:
+        validate_row(r)
+        merged[_row_key(r)] = r
+    doc = {**{k: v for k, v in doc.items() if k != "rows"}, **header,
+           "rows": sorted(merged.values(), key=_order)}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+    return doc
+
+
+def _fmt(x: Optional[float]) -> str:
+    return "" if x is None else f"{x:.0f}"
+
+
+def render_markdown(doc: dict) -> str:
+    rows = doc.get("rows", [])
+    cfg = doc.get("config", {})
+    sparse = sorted({(r["method"], r["budget"]) for r in rows if r["budget"] > 0},
+                    key=lambda mb: (_order({"task": "", "context": 0, "method": mb[0], "budget": mb[1]})))
+    budgets = sorted({b for _, b in sparse})
+    methods = [m for m in METHODS if any(mm == m for mm, _ in sparse)]
+    refs = sorted({r["method"] for r in rows if r["budget"] == 0 and r["method"] != DENSE})
+    cell = {_row_key(r): r for r in rows}
+    tasks = sorted({r["task"] for r in rows}, key=lambda t: _order({"task": t, "context": 0, "method": DENSE, "budget": 0}))
+    contexts = sorted({r["context"] for r in rows})
+
+    def score(task: str, ctx: int, method: str, budget: int) -> Optional[float]:
+        if task == "mean":
+            vals = [score(t, ctx, method, budget) for t in tasks]
+            return None if any(v is None for v in vals) else sum(vals) / len(vals)
+        r = cell.get((task, ctx, method, budget))
+        return None if r is None else float(r["score"])
+
+    lines = [
+        f"Accuracy of {doc.get('model', '?')} (score 0-100; commit {doc.get('commit') or 'uncommitted'}; "
+        f"{doc.get('machine', '?')}).",
+        "",
+        f"Sparse settings: block size {cfg.get('block_size', '?')}, sink <= min(16, budget/8), "
+        f"window <= min(64, budget/4), candidate blocks auto; n = samples per cell.",
+        "",
+    ]
+    head = ["task", "context", "n", "dense", *refs, "method", *[str(b) for b in budgets]]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("| " + " | ".join(["---"] * 2 + ["---:"] * (2 + len(refs)) + ["---"] + ["---:"] * len(budgets)) + " |")
+    task_list = tasks + (["mean"] if len(tasks) > 1 else [])
+    for task in task_list:
+        for ctx in contexts:
+            dense_row = cell.get((task, ctx, DENSE, 0))
+            if task != "mean" and dense_row is None and not any(cell.get((task, ctx, m, b)) for m, b in sparse):
+                continue
+            n = "" if task == "mean" else str(max((r["n"] for r in rows if r["task"] == task and r["context"] == ctx), default=0))
+            first = True
+            for method in methods or [""]:
+                left = [f"**{task}**" if task == "mean" else task, str(ctx), n,
+                        _fmt(score(task, ctx, DENSE, 0)), *[_fmt(score(task, ctx, ref, 0)) for ref in refs]]
+                if not first:
+                    left = ["", "", "", "", *["" for _ in refs]]
+                vals = [_fmt(score(task, ctx, method, b)) for b in budgets]
+                lines.append("| " + " | ".join(left + [method] + vals) + " |")
+                first = False
+    lines.append("")
+    return "\n".join(lines)
+
+
+def render_plot(doc: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc.get("rows", [])
+    if not rows:
+        return
+    tasks = sorted({r["task"] for r in rows}, key=lambda t: _order({"task": t, "context": 0, "method": DENSE, "budget": 0}))
+    cols = tasks + (["mean"] if len(tasks) > 1 else [])
+    contexts = sorted({r["context"] for r in rows})
+    cell = {_row_key(r): r["score"] for r in rows}
+    budgets = sorted({r["budget"] for r in rows if r["budget"] > 0})
+    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    refs = sorted({r["method"] for r in rows if r["budget"] == 0 and r["method"] != DENSE})
+    colors = {"quest": "tab:blue", "ds": "tab:orange", "two_level": "tab:green"}
+
+    def get(task, ctx, method, budget):
+        if task == "mean":
+            vals = [cell.get((t, ctx, method, budget)) for t in tasks]
+            return None if any(v is None for v in vals) else sum(vals) / len(vals)
+        return cell.get((task, ctx, method, budget))
+
+    width = max(6.0, 2.9 * len(cols))
+    height = 2.5 * len(contexts) + 0.9  # + title on top and legend at the bottom
+    fig, axes = plt.subplots(len(contexts), len(cols), figsize=(width, height), squeeze=False,
+                             sharey=True, layout="constrained")
+    for i, ctx in enumerate(contexts):
+        for j, task in enumerate(cols):
+            ax = axes[i][j]
+            d = get(task, ctx, DENSE, 0)
+            if d is not None:
+                ax.axhline(d, color="black", ls="--", lw=1.2, label="dense")
+            for ref in refs:
+                v = get(task, ctx, ref, 0)
+                if v is not None:
+                    ax.axhline(v, color="gray", ls=":", lw=1.2, label=ref)
+            for m in methods:
+                pts = [(b, get(task, ctx, m, b)) for b in budgets]
+                pts = [(b, v) for b, v in pts if v is not None]
+                if pts:
+                    ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", ms=3.5,
+                            color=colors.get(m), label=m)
+            if budgets:
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(budgets)
+                ax.set_xticklabels([str(b) for b in budgets], fontsize=7)
+            ax.set_ylim(-4, 104)
+            ax.grid(alpha=0.3)
+            ax.set_title(f"{task} @ {ctx}", fontsize=9)
+            if i == len(contexts) - 1:
+                ax.set_xlabel("budget (tokens)", fontsize=8)
+            if j == 0:
+                ax.set_ylabel("score", fontsize=8)
+    handles, labels = [], []
+    for ax in axes.flat:
+        for h, l in zip(*ax.get_legend_handles_labels()):
+            if l not in labels:
+                handles.append(h)
+                labels.append(l)
+    fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=8, frameon=False)
+    cfg = doc.get("config", {})
+    fig.suptitle(f"{doc.get('model', '')}: score vs sparse budget\n(block size "
+                 f"{cfg.get('block_size', '?')}; dense = exact attention on the same server)", fontsize=9)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def output_paths(json_path: str) -> tuple[str, str]:
+    stem = json_path[:-5] if json_path.endswith(".json") else json_path
+    return stem + ".md", stem + ".png"
+
+
+def write_results(json_path: str, rows: Sequence[dict], header: dict, *, plot: bool = True) -> tuple[dict, str]:
+    """Merge rows into ``json_path``; write the markdown table and plot beside it."""
+    doc = merge_results(json_path, rows, header)
+    md_path, png_path = output_paths(json_path)
+    md = render_markdown(doc)
+    with open(md_path, "w") as f:
+        f.write(md)
+    if plot:
+        render_plot(doc, png_path)
+    return doc, md
