@@ -1,1 +1,10 @@
-"""GPU kernels (Triton) for the sparse decode path, each beside its torch reference."""
+"""GPU kernels (Triton) for the sparse decode path, each beside its torch reference.
+
+* ``block_summary``: per-page key min/max maintained as KV is written;
+* ``block_scores``: batched Quest block scores from the page summaries;
+* ``token_scores``: label-channel token scores inside candidate blocks (fused gather);
+* ``topk``: batched masked top-k with a fixed k per row;
+* ``sparse_attention``: split-KV decode attention over selected slots, with LSE;
+* ``sparse_decode``: the whole CUDA-graph-safe pipeline (``sparse_decode_batched``);
+* ``testing``: random paged batches for the tests and the benchmark's ``--check``.
+"""

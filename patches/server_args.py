@@ -28,7 +28,7 @@ def _around_from_cli_args(original: Callable, cls: type, args: argparse.Namespac
     attach_config(server_args, cfg)
     if uses_sparse_backend(server_args):
         _check_label_config(server_args, cfg)
-        _force_compatible_settings(server_args)
+        _force_compatible_settings(server_args, cfg)
     return server_args
 
 
@@ -93,9 +93,11 @@ def _check_label_config(server_args: Any, cfg: sparse_config.SparseConfig) -> No
         )
 
 
-def _force_compatible_settings(server_args: Any) -> None:
-    """Settings that would route decode tokens around our backend, or that the reference
-    decode path cannot honour yet."""
+def _force_compatible_settings(server_args: Any, cfg: sparse_config.SparseConfig) -> None:
+    """Settings that would route decode tokens around our backend, and the paging and CUDA
+    graph settings each decode implementation needs."""
+    from sglang_ext.attention.sparse_backend import resolve_impl
+
     if server_args.speculative_algorithm is not None:
         raise SystemExit(
             "sglang_ext: --speculative-algorithm cannot be combined with "
@@ -104,9 +106,20 @@ def _force_compatible_settings(server_args: Any) -> None:
     changes: dict[str, Any] = {}
     if server_args.enable_mixed_chunk:
         changes["enable_mixed_chunk"] = False  # mixed batches decode through forward_extend
-    if not server_args.disable_cuda_graph and server_args.device != "cpu":
+    impl = resolve_impl(cfg, server_args.device)
+    if impl == "triton" and server_args.device == "cpu":
+        raise SystemExit("sglang_ext: --sparse-impl triton needs a CUDA device (use reference on CPU)")
+    if impl == "reference" and not server_args.disable_cuda_graph and server_args.device != "cpu":
         # The reference decode loops over requests on the host: not capturable.
         changes["disable_cuda_graph"] = True
+    if impl == "triton" and server_args.page_size != cfg.block_size:
+        # Block summaries are kept per KV page, so a block must be exactly one page.
+        if server_args.page_size not in (None, 1):
+            raise SystemExit(
+                f"sglang_ext: --page-size {server_args.page_size} differs from "
+                f"--sparse-block-size {cfg.block_size}; blocks are KV pages on CUDA"
+            )
+        changes["page_size"] = cfg.block_size
     if changes:
         logger.info("sglang_ext: overriding %s for sparse decode", changes)
         server_args.override("sglang_ext", **changes)

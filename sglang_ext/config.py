@@ -18,6 +18,7 @@ from sglang_ext.selection.reference import METHODS
 
 BACKEND_NAME = "sglang_ext"  # --attention-backend / --decode-attention-backend value
 DENSE_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
+IMPLS = ("auto", "reference", "triton")
 ENV_CONFIG = "SGLANG_EXT_CONFIG"  # JSON fallback for sgl.Engine(...), which rejects unknown kwargs
 
 
@@ -36,6 +37,7 @@ class SparseConfig:
     label_channels: int = 16
     label_config: Optional[str] = None
     dense_backend: str = "auto"
+    impl: str = "auto"
 
     @property
     def effective_candidate_blocks(self) -> int:
@@ -71,6 +73,9 @@ _FLAGS: tuple[tuple[str, str, str, str], ...] = (
      "scores use every channel."),
     ("dense_backend", "--sparse-dense-backend", "{" + ",".join(DENSE_BACKENDS) + "}",
      "SGLang backend used for prefill/extend (auto: torch_native on CPU, triton on CUDA)."),
+    ("impl", "--sparse-impl", "{" + ",".join(IMPLS) + "}",
+     "Decode implementation: reference (plain torch, per request; CPU default) or triton "
+     "(batched kernels, CUDA graphs; CUDA default)."),
 )
 _FIELD_BY_FLAG = {flag: field for field, flag, _, _ in _FLAGS}
 _FLAG_BY_FIELD = {field: flag for field, flag, _, _ in _FLAGS}
@@ -147,6 +152,8 @@ def _validate(cfg: SparseConfig) -> None:
         fail("method", f"must be one of {', '.join(METHODS)}")
     if cfg.dense_backend not in DENSE_BACKENDS:
         fail("dense_backend", f"must be one of {', '.join(DENSE_BACKENDS)}")
+    if cfg.impl not in IMPLS:
+        fail("impl", f"must be one of {', '.join(IMPLS)}")
     if cfg.budget < 1:
         fail("budget", "must be a positive number of tokens")
     if cfg.block_size < 1 or cfg.block_size & (cfg.block_size - 1):

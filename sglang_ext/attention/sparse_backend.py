@@ -5,16 +5,20 @@ decode selects, per request and kv head, the tokens to attend (quest / ds / two_
 attends over them only. Contexts within the budget decode densely, computed exactly as SGLang's
 torch_native backend does, so that a budget ≥ context reproduces SGLang token for token.
 
-This file is the reference (plain torch) decode path: one request at a time, selection recomputed
-from the keys every step. It runs on the CPU and, eagerly, on CUDA; the GPU kernels replace it
-on CUDA (issue: GPU kernels for the sparse decode path).
+Two decode implementations (``--sparse-impl``):
+
+* ``reference`` (the CPU default): plain torch, one request at a time, block summaries recomputed
+  from the keys every step; honours per-request overrides. Not capturable in a CUDA graph.
+* ``triton`` (the CUDA default): the batched, static-shape kernels of ``sglang_ext.kernels``;
+  block summaries are kept per KV page (page size = block size) and updated as KV is written,
+  in prefill and decode; captured in SGLang's decode CUDA graph. Uses the server-wide settings.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
@@ -37,6 +41,32 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class PageSummaries:
+    """Per-layer running key min/max of every KV page (the Quest block summaries)."""
+
+    kmin: list[torch.Tensor]  # per layer: float32 [num_pages, Hkv, D]
+    kmax: list[torch.Tensor]
+    page_size: int
+
+    @classmethod
+    def allocate(cls, pool: Any, page_size: int, device: Any) -> "PageSummaries":
+        from sglang_ext.kernels.block_summary import allocate_block_summaries
+
+        k0 = pool.get_key_buffer(pool.start_layer)
+        kmin, kmax = [], []
+        for _ in range(pool.layer_num):
+            lo, hi = allocate_block_summaries(k0.shape[0], k0.shape[1], k0.shape[2], page_size, device)
+            kmin.append(lo)
+            kmax.append(hi)
+        return cls(kmin, kmax, page_size)
+
+    def update(self, layer_index: int, k: torch.Tensor, loc: torch.Tensor) -> None:
+        from sglang_ext.kernels.block_summary import update_block_summaries
+
+        update_block_summaries(self.kmin[layer_index], self.kmax[layer_index], k, loc, self.page_size)
+
+
+@dataclass
 class DecodeMetadata:
     """Host-side view of one decode batch, built once per step and shared by all layers."""
 
@@ -48,13 +78,15 @@ class DecodeMetadata:
 class SparseDecodeBackend(AttentionBackend):
     """Dense extend via a delegate backend; sparse decode via the reference selection."""
 
-    needs_cpu_seq_lens = True  # the reference path loops over requests on the host
-
     def __init__(self, model_runner: ModelRunner, config: SparseConfig) -> None:
         super().__init__()
         self.model_runner = model_runner
         self.config = config
         self.device = model_runner.device
+        self.impl = resolve_impl(config, self.device)
+        # The reference path loops over requests on the host; the kernels never need host
+        # lengths, which keeps the overlap scheduler free of a per-step device->host copy.
+        self.needs_cpu_seq_lens = self.impl == "reference"
         # SGLang reads the pools from the active backend (forward_context), so expose them.
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
@@ -62,6 +94,16 @@ class SparseDecodeBackend(AttentionBackend):
         self.decode_metadata: Optional[DecodeMetadata] = None
         self.default_params = request_overrides.selection_params(config)
         self.label_channels = self._load_label_channels(model_runner, config)
+        self.summaries: Optional[PageSummaries] = None
+        self._workspaces: list[Any] = []
+        if self.impl == "triton":
+            page_size = model_runner.server_args.page_size
+            if page_size != config.block_size:
+                raise ValueError(
+                    f"--sparse-impl triton needs --page-size == --sparse-block-size "
+                    f"(got {page_size} and {config.block_size})"
+                )
+            self.summaries = PageSummaries.allocate(self.token_to_kv_pool, page_size, self.device)
 
     # ------------------------------------------------------------------ set-up
 
@@ -103,7 +145,8 @@ class SparseDecodeBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         mode = forward_batch.forward_mode
         if mode.is_decode_or_idle():
-            if mode.is_idle():
+            if mode.is_idle() or self.impl == "triton":
+                # The kernels read req_pool_indices / seq_lens from the batch on the device.
                 self.decode_metadata = None
                 return
             seq_lens_cpu = forward_batch.seq_lens_cpu
@@ -121,6 +164,19 @@ class SparseDecodeBackend(AttentionBackend):
         else:
             self._dense_backend().init_forward_metadata(forward_batch)
 
+    # ------------------------------------------------------------ CUDA graphs
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        if self.impl != "triton":
+            raise RuntimeError("the reference sparse decode cannot run under CUDA graphs")
+        self._ensure_workspace(max_bs)
+
+    def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False) -> None:
+        self.init_forward_metadata(forward_batch)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1  # padded slots decode densely over position 0 of the padding row
+
     # ---------------------------------------------------------------- forward
 
     def forward_extend(
@@ -133,9 +189,12 @@ class SparseDecodeBackend(AttentionBackend):
         save_kv_cache: bool = True,
         **kwargs,
     ) -> torch.Tensor:
-        return self._dense_backend().forward_extend(
+        out = self._dense_backend().forward_extend(
             q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs
         )
+        if self.summaries is not None and save_kv_cache and k is not None:
+            self._update_summaries(layer, k, forward_batch)
+        return out
 
     def forward_decode(
         self,
@@ -147,13 +206,78 @@ class SparseDecodeBackend(AttentionBackend):
         save_kv_cache: bool = True,
         **kwargs,
     ) -> torch.Tensor:
-        meta = self.decode_metadata
-        assert meta is not None, "init_forward_metadata was not called for this decode batch"
         if save_kv_cache and k is not None and v is not None:
             self.token_to_kv_pool.set_kv_buffer(
                 layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v
             )
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        if self.impl == "triton":
+            return self._forward_decode_kernels(q, k, layer, forward_batch, save_kv_cache)
+        return self._forward_decode_reference(q, layer)
+
+    def _forward_decode_kernels(
+        self, q: torch.Tensor, k: Optional[torch.Tensor], layer: RadixAttention,
+        forward_batch: ForwardBatch, save_kv_cache: bool,
+    ) -> torch.Tensor:
+        from sglang_ext.kernels.sparse_decode import sparse_decode_batched
+
+        layer_index = self._layer_index(layer)
+        if save_kv_cache and k is not None:
+            self._update_summaries(layer, k, forward_batch)
+        channels = None if self.label_channels is None else self.label_channels[layer.layer_id]
+        out = sparse_decode_batched(
+            q,
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            self.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens,
+            self.summaries.kmin[layer_index],
+            self.summaries.kmax[layer_index],
+            self.default_params,
+            layer.scaling,
+            channels=channels,
+            workspace=self._ensure_workspace(q.shape[0]),
+        )
+        # The workspace's output buffer is shared by all layers: hand back a copy.
+        return out.reshape(q.shape[0], layer.tp_q_head_num * layer.v_head_dim).clone()
+
+    def _ensure_workspace(self, batch: int) -> Any:
+        """Scratch that fits `batch`. Workspaces are never freed or replaced: captured CUDA
+        graphs keep pointing at the one they were captured with, and eager batches larger than
+        the graphs' maximum get a larger one of their own."""
+        from sglang_ext.kernels.sparse_decode import SparseDecodeWorkspace
+
+        fitting = [ws for ws in self._workspaces if ws.max_batch >= batch]
+        if fitting:
+            return min(fitting, key=lambda ws: ws.max_batch)
+        pool = self.token_to_kv_pool  # per-rank head counts under tensor parallelism
+        mc = self.model_runner.model_config
+        group = mc.num_attention_heads // mc.get_total_num_kv_heads()
+        workspace = SparseDecodeWorkspace(
+            max_batch=batch,
+            num_q_heads=pool.head_num * group,
+            num_kv_heads=pool.head_num,
+            head_dim_v=pool.v_head_dim,
+            params=self.default_params,
+            max_blocks=-(-self.req_to_token_pool.req_to_token.shape[1] // self.config.block_size),
+            device=self.device,
+            dtype=self.model_runner.dtype,
+        )
+        self._workspaces.append(workspace)
+        return workspace
+
+    def _update_summaries(self, layer: RadixAttention, k: torch.Tensor, forward_batch: ForwardBatch) -> None:
+        """Fold the keys just written (prefill or decode) into their pages' min/max."""
+        keys = k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim)
+        self.summaries.update(self._layer_index(layer), keys, forward_batch.out_cache_loc)
+
+    def _layer_index(self, layer: RadixAttention) -> int:
+        return layer.layer_id - self.token_to_kv_pool.start_layer
+
+    def _forward_decode_reference(self, q: torch.Tensor, layer: RadixAttention) -> torch.Tensor:
+        meta = self.decode_metadata
+        assert meta is not None, "init_forward_metadata was not called for this decode batch"
         out = q.new_empty((q.shape[0], layer.tp_q_head_num, layer.v_head_dim))
         k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_buf = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
@@ -175,6 +299,12 @@ class SparseDecodeBackend(AttentionBackend):
 
     def support_triton(self) -> bool:
         return self.device != "cpu"
+
+
+def resolve_impl(config: SparseConfig, device: Any) -> str:
+    if config.impl != "auto":
+        return config.impl
+    return "reference" if str(device) == "cpu" else "triton"
 
 
 def _dense_decode_like_sglang(

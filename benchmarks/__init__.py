@@ -1,0 +1,1 @@
+"""Benchmark drivers; results land in benchmarks/results/."""

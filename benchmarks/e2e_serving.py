@@ -1,0 +1,155 @@
+"""End-to-end serving benchmark on the GPU: SGLang full attention vs our backend, one run.
+
+Launches, one after another, an SGLang server per configuration on dummy-weight model shapes
+(``--load-format dummy``), drives each with ``python -m sglang.bench_serving`` (random-ids), and
+writes rows to ``OUT/e2e_h200.json`` plus a plot. Example (on the device machine)::
+
+    python benchmarks/e2e_serving.py --out $OUT --input-len 32768 --output-len 256 \
+        --num-prompts 8 --configs flashinfer sglang_ext
+
+Each configuration is one server start (~90 s with decode CUDA graphs); the prefill CUDA graph is
+disabled to save ~80 s per start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import requests
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks.results_io import git_commit, gpu_name, write_results  # noqa: E402
+
+CONFIGS: dict[str, list[str]] = {
+    "flashinfer": ["--attention-backend", "flashinfer"],
+    "triton": ["--attention-backend", "triton"],
+    "sglang_ext": ["--attention-backend", "sglang_ext", "--sparse-budget", "2048",
+                   "--sparse-block-size", "16"],
+}
+
+
+def launch(model: str, tokenizer: str, args: list[str], port: int, context_len: int,
+           log_path: str, extra: list[str]) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", model,
+        "--tokenizer-path", tokenizer, "--load-format", "dummy", "--sampling-backend", "pytorch",
+        "--grammar-backend", "none", "--context-length", str(context_len),
+        "--mem-fraction-static", "0.85", "--cuda-graph-backend-prefill", "disabled",
+        "--host", "127.0.0.1", "--port", str(port), *args, *extra,
+    ]
+    print("+", " ".join(cmd), flush=True)
+    log = open(log_path, "w")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, timeout: float, log_path: str) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode}:\n{tail(log_path)}")
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/health_generate", timeout=60).ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(3)
+    raise TimeoutError(f"server not healthy after {timeout}s:\n{tail(log_path)}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def tail(path: str, n: int = 40) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-n:])
+
+
+def bench(port: int, tokenizer: str, input_len: int, output_len: int, num_prompts: int,
+          concurrency: int, out_file: str) -> dict[str, Any]:
+    cmd = [
+        sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--port", str(port),
+        "--host", "127.0.0.1", "--tokenizer", tokenizer, "--dataset-name", "random-ids",
+        "--random-input-len", str(input_len), "--random-output-len", str(output_len),
+        "--random-range-ratio", "1.0", "--num-prompts", str(num_prompts),
+        "--max-concurrency", str(concurrency), "--output-file", out_file,
+    ]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    with open(out_file) as f:
+        return json.loads(f.readlines()[-1])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=os.path.join(REPO, ".gpu/models/qwen3-8b-shape"))
+    p.add_argument("--tokenizer", default=os.path.join(REPO, ".gpu/models/tokenizer"))
+    p.add_argument("--configs", nargs="+", default=["flashinfer", "sglang_ext"], choices=sorted(CONFIGS))
+    p.add_argument("--input-len", type=int, default=32768)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--extra", default="", help="extra server flags for every config")
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks/results"))
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--startup-timeout", type=float, default=400)
+    args = p.parse_args()
+
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    context_len = args.input_len + args.output_len + 64
+    for name in args.configs:
+        log_path = os.path.join(args.out, f"server_{name}.log")
+        proc = launch(args.model, args.tokenizer, CONFIGS[name], args.port, context_len,
+                      log_path, args.extra.split())
+        try:
+            t0 = time.time()
+            wait_healthy(proc, args.port, args.startup_timeout, log_path)
+            print(f"{name}: healthy after {time.time() - t0:.0f}s", flush=True)
+            result = bench(args.port, args.tokenizer, args.input_len, args.output_len,
+                           args.num_prompts, args.concurrency,
+                           os.path.join(args.out, f"bench_{name}.jsonl"))
+        finally:
+            stop(proc)
+        errors = [line for line in tail(log_path, 400).splitlines() if "Traceback" in line or "memory leak" in line]
+        rows.append({
+            "input_len": args.input_len, "output_len": args.output_len, "backend": name,
+            "config": " ".join(CONFIGS[name] + args.extra.split()),
+            "concurrency": args.concurrency, "completed": result.get("completed"),
+            "output_tok_s": result.get("output_throughput"),
+            "median_tpot_ms": result.get("median_tpot_ms"),
+            "median_itl_ms": result.get("median_itl_ms"),
+            "median_ttft_ms": result.get("median_ttft_ms"),
+            "max_concurrent_requests": result.get("max_concurrent_requests"),
+            "server_errors": len(errors),
+        })
+        print(json.dumps(rows[-1]), flush=True)
+    base = next((r for r in rows if r["backend"] == "flashinfer"), None)
+    for r in rows:
+        r["speedup_vs_flashinfer"] = (r["output_tok_s"] / base["output_tok_s"]) if base and base["output_tok_s"] else None
+    write_results(os.path.join(args.out, "e2e_h200.json"), rows,
+                  {"commit": git_commit(), "gpu": gpu_name(), "model": os.path.basename(args.model)})
+    print(f"{'backend':12} {'in':>7} {'out':>5} {'tok/s':>8} {'TPOT ms':>8} {'TTFT ms':>9} {'x FI':>6}")
+    for r in rows:
+        sp = r["speedup_vs_flashinfer"]
+        print(f"{r['backend']:12} {r['input_len']:7d} {r['output_len']:5d} {r['output_tok_s']:8.1f} "
+              f"{r['median_tpot_ms']:8.1f} {r['median_ttft_ms']:9.0f} {sp if sp is None else round(sp, 2)!s:>6}")
+    return 0 if all(r["completed"] == args.num_prompts and r["server_errors"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

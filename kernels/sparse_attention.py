@@ -1,0 +1,338 @@
+"""Decode attention over per-(request, kv head) selected slots, split-KV with an LSE merge.
+
+``selected_slots`` ``[B, Hkv, K]`` (int32/int64, ``-1`` = padding) lists, for each request and
+kv head, the KV-pool slots its query heads attend. Stage 1 (grid ``B x Hkv x splits``): one
+program takes one chunk of the K selected slots of one (request, kv head), gathers their K/V
+rows once and serves **all** query heads of the group from them (GQA reuse: the group's queries
+are the M dimension of the ``tl.dot``), keeping a running (max, sum, acc) online softmax; it
+writes the chunk's normalised partial output and its log-sum-exp. Stage 2 (grid ``B x Hq``)
+merges the chunks FlashInfer-style: ``out = sum_s exp(lse_s - lse) * o_s`` with
+``lse = logsumexp_s lse_s``.
+
+Returns the output ``[B, Hq, Dv]`` in q's dtype and the float32 LSE ``[B, Hq]`` (natural log,
+of the ``sm_scale``-scaled logits), so partial attentions can be merged later. A head with no
+valid slot gets output 0 and LSE ``-inf`` (as the reference's ``sparse_attention_with_lse``).
+The number of splits depends only on static shapes (``B``, ``Hkv``, ``K``), so the two launches
+are CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from sglang_ext.selection.reference import sparse_attention_with_lse
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+_BLOCK_N = 64  # selected slots per stage-1 tile
+
+
+@triton.jit
+def _sparse_attn_split_kernel(
+    Q,
+    K_BUFFER,
+    V_BUFFER,
+    SLOTS,
+    PART_O,
+    PART_LSE,
+    qk_scale_log2,
+    stride_qb,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_sb,
+    stride_sg,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    NUM_SEL: tl.constexpr,
+    CHUNK: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    split = tl.program_id(2)
+
+    hh = tl.arange(0, GROUP_PAD)
+    heads = g * GROUP + hh
+    hmask = hh < GROUP
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    dv = tl.arange(0, BLOCK_DV)
+    dvmask = dv < HEAD_DIM_V
+
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=hmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_DV], tl.float32)
+
+    slot_base = SLOTS + b * stride_sb + g * stride_sg
+    for i in range(CHUNK // BLOCK_N):
+        n = split * CHUNK + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        slot = tl.load(slot_base + n, mask=n < NUM_SEL, other=-1).to(tl.int64)
+        valid = slot >= 0
+        k = tl.load(
+            K_BUFFER + slot[:, None] * stride_kn + g * stride_kh + d[None, :],
+            mask=valid[:, None] & dmask[None, :],
+            other=0.0,
+        )
+        if DOT_F32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2  # [GP, BN]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            V_BUFFER + slot[:, None] * stride_vn + g * stride_vh + dv[None, :],
+            mask=valid[:, None] & dvmask[None, :],
+            other=0.0,
+        )
+        p = p.to(v.dtype)  # 16-bit probabilities for the tensor-core PV product
+        if DOT_F32:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    tl.store(
+        PART_O + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + dv[None, :],
+        o,
+        mask=hmask[:, None] & dvmask[None, :],
+    )
+    tl.store(PART_LSE + b * stride_plb + heads * stride_plh + split, lse2, mask=hmask)
+
+
+@triton.jit
+def _sparse_attn_merge_kernel(
+    PART_O,
+    PART_LSE,
+    OUT,
+    LSE,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    stride_ob,
+    stride_oh,
+    stride_lb,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    LN2: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    smask = s < NUM_SPLITS
+    dv = tl.arange(0, BLOCK_DV)
+    dvmask = dv < HEAD_DIM_V
+    lse2 = tl.load(PART_LSE + b * stride_plb + h * stride_plh + s, mask=smask, other=float("-inf"))
+    m = tl.max(lse2, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse2 - m_safe)  # 0 for empty splits
+    total = tl.sum(w, axis=0)
+    o = tl.load(
+        PART_O + b * stride_pob + h * stride_poh + s[:, None] * stride_pos + dv[None, :],
+        mask=smask[:, None] & dvmask[None, :],
+        other=0.0,
+    )
+    out = tl.sum(o * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    empty = total == 0.0
+    lse = tl.where(empty, float("-inf"), (m_safe + tl.log2(tl.where(empty, 1.0, total))) * LN2)
+    tl.store(OUT + b * stride_ob + h * stride_oh + dv, out.to(OUT.dtype.element_ty), mask=dvmask)
+    tl.store(LSE + b * stride_lb + h, lse)
+
+
+def default_num_splits(batch: int, num_kv_heads: int, num_selected: int, device=None) -> int:
+    """Static split count: enough (request, kv head, split) programs to fill the GPU ~2x,
+    each with at least one BLOCK_N tile. Depends only on shapes (CUDA-graph safe)."""
+    max_splits = max(1, triton.cdiv(num_selected, _BLOCK_N))
+    if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        sms = 4
+    want = triton.cdiv(2 * sms, max(1, batch * num_kv_heads))
+    return max(1, min(max_splits, want))
+
+
+
+def split_layout(num_selected: int, num_splits: int) -> tuple[int, int]:
+    """(chunk, splits actually used): the chunk is a multiple of the tile size and every
+    split gets a non-empty range of the K selected slots."""
+    block_n = min(_BLOCK_N, max(16, triton.next_power_of_2(num_selected)))
+    chunk = triton.cdiv(triton.cdiv(num_selected, max(1, num_splits)), block_n) * block_n
+    return chunk, triton.cdiv(num_selected, chunk)
+
+
+def sparse_attention_batched(
+    q: Tensor,
+    k_buffer: Tensor,
+    v_buffer: Tensor,
+    selected_slots: Tensor,
+    sm_scale: float,
+    num_splits: int | None = None,
+    out: Tensor | None = None,
+    lse: Tensor | None = None,
+    partial_o: Tensor | None = None,
+    partial_lse: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Attention of each query head over its kv head's selected slots.
+
+    ``q`` ``[B, Hq, D]``; ``k_buffer`` ``[num_slots, Hkv, D]``; ``v_buffer``
+    ``[num_slots, Hkv, Dv]``; ``selected_slots`` ``[B, Hkv, K]`` (``-1`` = padding, may appear
+    anywhere; the valid slots of a row must be distinct, a repeated slot is attended twice).
+    Returns ``(out [B, Hq, Dv] q.dtype, lse [B, Hq] float32)``. ``partial_o``
+    (float32 ``[>=B, Hq, >=splits, Dv]``) / ``partial_lse`` (``[>=B, Hq, >=splits]``) are
+    scratch; pass preallocated ones for CUDA graphs.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, head_dim_v = k_buffer.shape[1], v_buffer.shape[2]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    if selected_slots.shape[:2] != (batch, num_kv_heads):
+        raise ValueError(f"selected_slots {tuple(selected_slots.shape)} != [B, Hkv, K]")
+    num_sel = selected_slots.shape[2]
+    group = num_q_heads // num_kv_heads
+    out_dtype = q.dtype
+    if q.dtype != k_buffer.dtype:  # tl.dot wants equal operand types; the output keeps q's
+        q = q.to(k_buffer.dtype)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if k_buffer.stride(2) != 1 or v_buffer.stride(2) != 1:
+        raise ValueError("k_buffer/v_buffer rows must be contiguous")
+    if selected_slots.stride(2) != 1:
+        selected_slots = selected_slots.contiguous()
+    if num_splits is None:
+        num_splits = default_num_splits(batch, num_kv_heads, num_sel, q.device)
+    chunk, splits = split_layout(max(num_sel, 1), num_splits)
+    device = q.device
+    if out is None:
+        out = torch.empty(batch, num_q_heads, head_dim_v, dtype=out_dtype, device=device)
+    if lse is None:
+        lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=device)
+    if partial_o is None:
+        partial_o = torch.empty(
+            batch, num_q_heads, splits, head_dim_v, dtype=torch.float32, device=device
+        )
+    if partial_lse is None:
+        partial_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=device)
+    if partial_o.shape[2] < splits or partial_lse.shape[2] < splits:
+        raise ValueError(f"partial buffers hold {partial_o.shape[2]} splits, need {splits}")
+    if batch == 0:
+        return out, lse
+
+    block_n = min(_BLOCK_N, max(16, triton.next_power_of_2(max(num_sel, 1))))
+    # fp32 KV: exact fp32 dots (tf32 would lose ~3 decimal digits); 16-bit KV: the default
+    # (tensor cores, fp32 accumulation).
+    precision = "ieee" if k_buffer.dtype == torch.float32 else None
+    # Triton's CPU interpreter multiplies the raw bits of 16-bit floats in tl.dot: there, feed
+    # the dots exact fp32 copies of the same (already rounded) values instead.
+    dot_f32 = bool(triton.knobs.runtime.interpret) and k_buffer.dtype != torch.float32
+    _sparse_attn_split_kernel[(batch, num_kv_heads, splits)](
+        q,
+        k_buffer,
+        v_buffer,
+        selected_slots,
+        partial_o,
+        partial_lse,
+        float(sm_scale) * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        selected_slots.stride(0),
+        selected_slots.stride(1),
+        partial_o.stride(0),
+        partial_o.stride(1),
+        partial_o.stride(2),
+        partial_lse.stride(0),
+        partial_lse.stride(1),
+        NUM_SEL=num_sel,
+        CHUNK=chunk,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_V=head_dim_v,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)),
+        BLOCK_N=block_n,
+        PRECISION="ieee" if dot_f32 else precision,
+        DOT_F32=dot_f32,
+        num_warps=4,
+        num_stages=2,
+    )
+    _sparse_attn_merge_kernel[(batch, num_q_heads)](
+        partial_o,
+        partial_lse,
+        out,
+        lse,
+        partial_o.stride(0),
+        partial_o.stride(1),
+        partial_o.stride(2),
+        partial_lse.stride(0),
+        partial_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        NUM_SPLITS=splits,
+        SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+        HEAD_DIM_V=head_dim_v,
+        BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)),
+        LN2=_LN2,
+        num_warps=4,
+    )
+    return out, lse
+
+
+def sparse_attention_batched_ref(
+    q: Tensor, k_buffer: Tensor, v_buffer: Tensor, selected_slots: Tensor, sm_scale: float
+) -> tuple[Tensor, Tensor]:
+    """Plain-torch reference: per request, the reference ``sparse_attention_with_lse`` over
+    the distinct selected slots (order and padding do not matter)."""
+    batch, num_q_heads = q.shape[:2]
+    out = torch.empty(batch, num_q_heads, v_buffer.shape[2], dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=q.device)
+    for b in range(batch):
+        slots = selected_slots[b].long()  # [Hkv, K]
+        uniq = torch.unique(slots[slots >= 0])
+        if uniq.numel() == 0:
+            out[b] = 0
+            lse[b] = float("-inf")
+            continue
+        keys, values = k_buffer[uniq], v_buffer[uniq]  # [U, Hkv, D]
+        mask = (slots[:, :, None] == uniq[None, None, :]).any(dim=1)  # [Hkv, U]
+        out[b], lse[b] = sparse_attention_with_lse(q[b], keys, values, mask, sm_scale)
+    return out, lse
+

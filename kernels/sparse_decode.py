@@ -1,0 +1,369 @@
+"""The batched, static-shape, CUDA-graph-safe sparse decode pipeline (SGLang layouts).
+
+``sparse_decode_batched`` runs, for a whole decode batch, what the reference's
+``select_token_mask`` + ``sparse_attention`` do per request:
+
+1. per (request, kv head), exactly ``params.budget`` position slots are built:
+   ``L <= budget``: positions ``0 .. L-1`` (rest ``-1``, dense decode);
+   otherwise: ``[0, sink)``, ``[L - window, L)`` and the ``n_sel = budget - sink - window``
+   selected middle positions (``-1`` where fewer are selected):
+
+   * quest: all middle positions of the top ``n_sel // bs`` blocks by Quest bound
+     (``block_scores`` + ``topk``);
+   * two_level: top ``candidate_blocks`` blocks by Quest bound, then the top ``n_sel`` tokens
+     of those blocks by label score (``block_scores`` + ``topk`` + ``token_scores`` + ``topk``);
+   * ds: top ``n_sel`` tokens of the whole middle by label score (two_level with every block a
+     candidate: ``token_scores`` + ``topk``);
+2. positions are mapped to KV-pool slots through ``req_to_token`` (this file's kernel, which
+   also assembles the slot list);
+3. ``sparse_attention`` over the slots (split-KV + LSE merge).
+
+Every shape depends only on (B, budget, max_blocks) and the static params: no ``.item()``, no
+host sync, no data-dependent Python control flow, so it can be captured in a CUDA graph. Scratch
+comes from a :class:`SparseDecodeWorkspace` (sized for the largest batch) so graph replays reuse
+the same addresses. Padded batch entries (``req_pool_idx`` 0, ``seq_len`` 1) decode densely over
+position 0 and touch nothing else.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from sglang_ext.kernels.block_scores import quest_block_scores_batched
+from sglang_ext.kernels.sparse_attention import (
+    default_num_splits,
+    sparse_attention_batched,
+    split_layout,
+)
+from sglang_ext.kernels.token_scores import label_token_scores_batched
+from sglang_ext.kernels.topk import topk_masked
+from sglang_ext.selection.reference import (
+    SelectionParams,
+    select_token_mask,
+    sparse_attention_with_lse,
+)
+
+# How the selected part of the slot list is read back from the top-k results.
+_MODE_NONE = 0  # nothing selected (n_sel == 0, or quest with n_sel < bs)
+_MODE_BLOCKS = 1  # quest: top block ids; slot j -> block top[j // bs], offset j % bs
+_MODE_CAND_TOKENS = 2  # two_level: top indices into the candidate tokens (cand[i // bs], i % bs)
+_MODE_ALL_TOKENS = 3  # ds: top indices are positions
+
+
+@triton.jit
+def _assemble_slots_kernel(
+    REQ_TO_TOKEN,
+    REQ_POOL_INDICES,
+    SEQ_LENS,
+    TOP,
+    CAND,
+    SLOTS,
+    POSITIONS,
+    stride_r2t,
+    stride_tb,
+    stride_tg,
+    stride_cb,
+    stride_cg,
+    stride_sb,
+    stride_sg,
+    stride_pb,
+    stride_pg,
+    BUDGET: tl.constexpr,
+    SINK: tl.constexpr,
+    WINDOW: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_TOP: tl.constexpr,
+    MODE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    WRITE_POS: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    j = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    in_budget = j < BUDGET
+
+    row = tl.load(REQ_POOL_INDICES + b).to(tl.int64)
+    seq_len = tl.load(SEQ_LENS + b).to(tl.int64)
+    hi = seq_len - WINDOW  # the middle is [SINK, hi)
+
+    jj = j - (SINK + WINDOW)  # index among the selected slots
+    if MODE == 1:
+        sel = in_budget & (jj >= 0) & (jj < NUM_TOP * BLOCK_SIZE)
+        blk = tl.load(
+            TOP + b * stride_tb + g * stride_tg + jj // BLOCK_SIZE, mask=sel, other=-1
+        ).to(tl.int64)
+        pos_sel = blk * BLOCK_SIZE + jj % BLOCK_SIZE
+        ok = sel & (blk >= 0) & (pos_sel >= SINK) & (pos_sel < hi)
+    elif MODE == 2:
+        sel = in_budget & (jj >= 0) & (jj < NUM_TOP)
+        idx = tl.load(TOP + b * stride_tb + g * stride_tg + jj, mask=sel, other=-1).to(tl.int64)
+        cblk = tl.load(
+            CAND + b * stride_cb + g * stride_cg + idx // BLOCK_SIZE,
+            mask=sel & (idx >= 0),
+            other=-1,
+        ).to(tl.int64)
+        pos_sel = cblk * BLOCK_SIZE + idx % BLOCK_SIZE
+        ok = sel & (idx >= 0) & (cblk >= 0)
+    elif MODE == 3:
+        sel = in_budget & (jj >= 0) & (jj < NUM_TOP)
+        idx = tl.load(TOP + b * stride_tb + g * stride_tg + jj, mask=sel, other=-1).to(tl.int64)
+        pos_sel = idx
+        ok = sel & (idx >= 0)
+    else:
+        pos_sel = jj.to(tl.int64)
+        ok = jj < 0  # never true where it is used
+
+    pos_sparse = tl.where(
+        j < SINK,
+        j.to(tl.int64),
+        tl.where(j < SINK + WINDOW, hi + (j - SINK), tl.where(ok, pos_sel, -1)),
+    )
+    pos_dense = tl.where(j < seq_len, j.to(tl.int64), -1)
+    pos = tl.where(seq_len <= BUDGET, pos_dense, pos_sparse)
+    has = in_budget & (pos >= 0)
+    slot = tl.load(REQ_TO_TOKEN + row * stride_r2t + pos, mask=has, other=-1)
+    slot = tl.where(has, slot, -1)
+    tl.store(SLOTS + b * stride_sb + g * stride_sg + j, slot.to(tl.int32), mask=in_budget)
+    if WRITE_POS:
+        tl.store(POSITIONS + b * stride_pb + g * stride_pg + j, pos.to(tl.int32), mask=in_budget)
+
+
+def _selection_plan(params: SelectionParams, max_blocks: int) -> tuple[int, int, int]:
+    """(mode, k of the block top-k (0 = none), k of the token top-k (0 = none))."""
+    n_sel = params.budget - params.sink - params.window
+    bs = params.block_size
+    if n_sel <= 0:
+        return _MODE_NONE, 0, 0
+    if params.method == "quest":
+        num_kept = n_sel // bs
+        return (_MODE_BLOCKS, num_kept, 0) if num_kept > 0 else (_MODE_NONE, 0, 0)
+    if params.method == "two_level":
+        return _MODE_CAND_TOKENS, params.candidate_blocks, n_sel
+    if params.method == "ds":
+        return _MODE_ALL_TOKENS, 0, n_sel
+    raise ValueError(f"unknown method {params.method!r}")
+
+
+class SparseDecodeWorkspace:
+    """Preallocated scratch of :func:`sparse_decode_batched` for batches up to ``max_batch``.
+
+    Holding one per (layer shape, params) and passing it on every call keeps every
+    intermediate at a fixed address, which CUDA-graph replays need. The output returned by
+    :func:`sparse_decode_batched` is a view of ``self.out``: it is overwritten by the next call.
+    ``max_blocks`` (static) must cover the longest request: ``ceil(max_context / block_size)``
+    (blocks past it are never scored). ``topk_impl`` ("triton" / "torch") and
+    ``block_score_precision`` pick the variants of :mod:`topk` and :mod:`block_scores`.
+    """
+
+    def __init__(
+        self,
+        max_batch: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim_v: int,
+        params: SelectionParams,
+        max_blocks: int,
+        device,
+        dtype: torch.dtype = torch.bfloat16,
+        num_splits: int | None = None,
+        topk_impl: str = "triton",
+        block_score_precision: str | None = None,
+    ) -> None:
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+        self.max_batch = max_batch
+        self.num_q_heads = num_q_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim_v = head_dim_v
+        self.params = params
+        self.max_blocks = max_blocks
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.num_splits = num_splits
+        self.topk_impl = topk_impl
+        self.block_score_precision = block_score_precision
+        self.mode, self.k_blocks, self.k_tokens = _selection_plan(params, max_blocks)
+
+        bs = params.block_size
+        kw = {"device": self.device}
+        shape = (max_batch, num_kv_heads)
+        f32, i32 = torch.float32, torch.int32
+        self.block_scores = self.top_blocks = self.token_scores = self.top_tokens = None
+        if self.k_blocks:
+            self.block_scores = torch.empty(*shape, max_blocks, dtype=f32, **kw)
+            self.top_blocks = torch.empty(*shape, self.k_blocks, dtype=i32, **kw)
+        if self.k_tokens:
+            num_cand = self.k_blocks if self.mode == _MODE_CAND_TOKENS else max_blocks
+            self.token_scores = torch.empty(*shape, num_cand * bs, dtype=f32, **kw)
+            self.top_tokens = torch.empty(*shape, self.k_tokens, dtype=i32, **kw)
+        self.slots = torch.empty(*shape, params.budget, dtype=i32, **kw)
+        self.positions = torch.empty(*shape, params.budget, dtype=i32, **kw)
+        # The split count only falls as the batch grows: size for batch 1.
+        max_splits = split_layout(params.budget, self._splits_for(1))[1]
+        self.partial_o = torch.empty(
+            max_batch, num_q_heads, max_splits, head_dim_v, dtype=f32, **kw
+        )
+        self.partial_lse = torch.empty(max_batch, num_q_heads, max_splits, dtype=f32, **kw)
+        self.out = torch.empty(max_batch, num_q_heads, head_dim_v, dtype=dtype, **kw)
+        self.lse = torch.empty(max_batch, num_q_heads, dtype=f32, **kw)
+
+    def _splits_for(self, batch: int) -> int:
+        if self.num_splits is not None:
+            return self.num_splits
+        return default_num_splits(batch, self.num_kv_heads, self.params.budget, self.device)
+
+    def check(self, batch: int, num_q_heads: int, num_kv_heads: int, head_dim_v: int,
+              params: SelectionParams, dtype: torch.dtype) -> None:
+        if batch > self.max_batch:
+            raise ValueError(f"batch {batch} exceeds the workspace's max_batch {self.max_batch}")
+        if (num_q_heads, num_kv_heads, head_dim_v) != (
+            self.num_q_heads, self.num_kv_heads, self.head_dim_v
+        ):
+            raise ValueError("head shape differs from the workspace's")
+        if params != self.params:
+            raise ValueError(f"params {params} differ from the workspace's {self.params}")
+        if dtype != self.dtype:
+            raise ValueError(f"q dtype {dtype} differs from the workspace's {self.dtype}")
+
+
+def select_slots_batched(
+    q: Tensor,
+    k_buffer: Tensor,
+    req_to_token: Tensor,
+    req_pool_indices: Tensor,
+    seq_lens: Tensor,
+    kmin: Tensor | None,
+    kmax: Tensor | None,
+    params: SelectionParams,
+    channels: Tensor | None = None,
+    workspace: SparseDecodeWorkspace | None = None,
+    return_positions: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Step 1-2 of the pipeline: the ``budget`` KV slots (int32 ``[B, Hkv, budget]``, ``-1``
+    padded) each (request, kv head) attends; with ``return_positions`` also their positions."""
+    batch, num_q_heads, _ = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    if workspace is None:
+        workspace = SparseDecodeWorkspace(
+            batch, num_q_heads, num_kv_heads, k_buffer.shape[2], params,
+            triton.cdiv(req_to_token.shape[1], params.block_size), q.device, q.dtype,
+        )
+    ws = workspace
+    if batch > ws.max_batch or params != ws.params:
+        raise ValueError("batch/params do not fit the workspace")
+    bs = params.block_size
+    if channels is not None:
+        channels = channels.to(device=q.device)
+        if channels.stride(-1) != 1:
+            channels = channels.contiguous()
+
+    top, cand = ws.slots, ws.slots  # dummies for unused pointers
+    if ws.k_blocks:
+        if kmin is None or kmax is None:
+            raise ValueError(f"{params.method} needs the block summaries kmin/kmax")
+        scores = quest_block_scores_batched(
+            q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, bs,
+            params.sink, params.window, ws.max_blocks, out=ws.block_scores[:batch],
+            precision=ws.block_score_precision,
+        )
+        top = cand = topk_masked(scores, ws.k_blocks, out=ws.top_blocks[:batch], impl=ws.topk_impl)
+    if ws.k_tokens:
+        tok_scores, _ = label_token_scores_batched(
+            q, k_buffer, req_to_token, req_pool_indices, seq_lens,
+            cand if ws.mode == _MODE_CAND_TOKENS else None, bs, params.sink, params.window,
+            channels=channels, num_blocks=ws.max_blocks, scores_out=ws.token_scores[:batch],
+            return_positions=False,
+        )
+        top = topk_masked(tok_scores, ws.k_tokens, out=ws.top_tokens[:batch], impl=ws.topk_impl)
+
+    slots = ws.slots[:batch]
+    positions = ws.positions[:batch]
+    block = min(1024, triton.next_power_of_2(params.budget))
+    grid = (batch, num_kv_heads, triton.cdiv(params.budget, block))
+    if batch:
+        _assemble_slots_kernel[grid](
+            req_to_token, req_pool_indices, seq_lens, top, cand, slots, positions,
+            req_to_token.stride(0), top.stride(0), top.stride(1), cand.stride(0),
+            cand.stride(1), slots.stride(0), slots.stride(1), positions.stride(0),
+            positions.stride(1),
+            BUDGET=params.budget, SINK=params.sink, WINDOW=params.window, BLOCK_SIZE=bs,
+            NUM_TOP=ws.k_blocks if ws.mode == _MODE_BLOCKS else ws.k_tokens, MODE=ws.mode,
+            BLOCK=block, WRITE_POS=return_positions, num_warps=4,
+        )
+    return (slots, positions) if return_positions else slots
+
+
+def sparse_decode_batched(
+    q: Tensor,
+    k_buffer: Tensor,
+    v_buffer: Tensor,
+    req_to_token: Tensor,
+    req_pool_indices: Tensor,
+    seq_lens: Tensor,
+    kmin: Tensor | None,
+    kmax: Tensor | None,
+    params: SelectionParams,
+    sm_scale: float,
+    channels: Tensor | None = None,
+    workspace: SparseDecodeWorkspace | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """One sparse decode step for a batch: ``out [B, Hq, Dv]`` in q's dtype (and the float32
+    LSE ``[B, Hq]`` with ``return_lse``).
+
+    ``q`` ``[B, Hq, D]``; ``k_buffer``/``v_buffer`` ``[num_slots, Hkv, D/Dv]`` (one layer);
+    ``req_to_token`` int32 ``[rows, max_context]``; ``req_pool_indices`` ``[B]``; ``seq_lens``
+    ``[B]`` (current token included, its k/v already written); ``kmin``/``kmax`` the layer's
+    page summaries (:mod:`block_summary`; unused by ds); ``channels`` long ``[Hkv, r]`` label
+    channels or None (all channels). Pages must have ``page_size == params.block_size``.
+    With a ``workspace`` the result is a view of its buffers (valid until the next call).
+    """
+    batch, num_q_heads, _ = q.shape
+    if workspace is None:
+        workspace = SparseDecodeWorkspace(
+            batch, num_q_heads, k_buffer.shape[1], v_buffer.shape[2], params,
+            triton.cdiv(req_to_token.shape[1], params.block_size), q.device, q.dtype,
+        )
+    workspace.check(batch, num_q_heads, k_buffer.shape[1], v_buffer.shape[2], params, q.dtype)
+    slots = select_slots_batched(
+        q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, kmax, params,
+        channels=channels, workspace=workspace,
+    )
+    out, lse = sparse_attention_batched(
+        q, k_buffer, v_buffer, slots, sm_scale,
+        num_splits=workspace._splits_for(batch),
+        out=workspace.out[:batch], lse=workspace.lse[:batch],
+        partial_o=workspace.partial_o[:batch], partial_lse=workspace.partial_lse[:batch],
+    )
+    return (out, lse) if return_lse else out
+
+
+def sparse_decode_batched_ref(
+    q: Tensor,
+    k_buffer: Tensor,
+    v_buffer: Tensor,
+    req_to_token: Tensor,
+    req_pool_indices: Tensor,
+    seq_lens: Tensor,
+    params: SelectionParams,
+    sm_scale: float,
+    channels: Tensor | None = None,
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """Per-request oracle: ``select_token_mask`` + ``sparse_attention_with_lse`` on the keys
+    gathered in position order. Returns ``(out [B, Hq, Dv], lse [B, Hq], masks)`` with
+    ``masks[b]`` the bool ``[Hkv, L_b]`` selection."""
+    batch, num_q_heads = q.shape[:2]
+    out = torch.empty(batch, num_q_heads, v_buffer.shape[2], dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=q.device)
+    masks = []
+    for b in range(batch):
+        row, length = int(req_pool_indices[b]), int(seq_lens[b])
+        slots = req_to_token[row, :length].long()
+        keys, values = k_buffer[slots], v_buffer[slots]
+        mask = select_token_mask(q[b], keys, params, channels)
+        out[b], lse[b] = sparse_attention_with_lse(q[b], keys, values, mask, sm_scale)
+        masks.append(mask)
+    return out, lse, masks

@@ -1,0 +1,252 @@
+"""Label-channel (Double Sparsity) token scores inside candidate blocks, fused with the gather.
+
+For request ``b`` and kv head ``g`` the candidates are blocks ``cand[b, g, c]`` (``-1`` = none);
+candidate slot ``c * bs + i`` stands for position ``p = cand[b, g, c] * bs + i``. Its score is
+``max_{h in group g} q_h[ch] · k[p, g, ch]`` over the label channels ``ch = channels[g]`` (all D
+channels when ``channels`` is None), exactly the reference's ``label_token_scores``. The key
+rows are gathered straight from the paged pool (``slot = req_to_token[row, p]``); only the
+label channels are read.
+
+Outputs: scores float32 ``[B, Hkv, C*bs]`` with ``-inf`` for positions outside the middle
+``[sink, L - window)`` (and so beyond ``L``) or in a ``-1`` candidate, and optionally the
+matching positions (int32, ``-1`` where the score is ``-inf``).
+
+With ``cand=None`` every block ``0 .. num_blocks-1`` is a candidate (candidate ``c`` is block
+``c``): the whole-context scoring that DS uses.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from sglang_ext.selection.reference import label_token_scores
+
+
+@triton.jit
+def _label_token_scores_kernel(
+    Q,
+    K_BUFFER,
+    REQ_TO_TOKEN,
+    REQ_POOL_INDICES,
+    SEQ_LENS,
+    CAND,
+    CHANNELS,
+    SCORES,
+    POSITIONS,
+    num_cand,
+    sink,
+    window,
+    stride_qb,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_r2t,
+    stride_cb,
+    stride_cg,
+    stride_chg,
+    stride_ob,
+    stride_og,
+    stride_pb,
+    stride_pg,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    NUM_CH: tl.constexpr,
+    BLOCK_CH: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    ALL_BLOCKS: tl.constexpr,
+    HAS_CHANNELS: tl.constexpr,
+    WRITE_POS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    tile = tl.program_id(2)
+
+    row = tl.load(REQ_POOL_INDICES + b).to(tl.int64)
+    seq_len = tl.load(SEQ_LENS + b).to(tl.int64)
+    hi = seq_len - window
+
+    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)  # candidate slot = c * bs + i
+    c = t // BLOCK_SIZE
+    in_range = c < num_cand
+    if ALL_BLOCKS:
+        blk = c.to(tl.int64)
+    else:
+        blk = tl.load(
+            CAND + b.to(tl.int64) * stride_cb + g * stride_cg + c, mask=in_range, other=-1
+        ).to(tl.int64)
+    pos = blk * BLOCK_SIZE + (t % BLOCK_SIZE)
+    valid = in_range & (blk >= 0) & (pos >= sink) & (pos < hi)
+    slot = tl.load(REQ_TO_TOKEN + row * stride_r2t + pos, mask=valid, other=0).to(tl.int64)
+
+    r = tl.arange(0, BLOCK_CH)
+    rmask = r < NUM_CH
+    if HAS_CHANNELS:
+        ch = tl.load(CHANNELS + g * stride_chg + r, mask=rmask, other=0).to(tl.int64)
+    else:
+        ch = r.to(tl.int64)
+    k = tl.load(
+        K_BUFFER + slot[:, None] * stride_kn + g * stride_kh + ch[None, :],
+        mask=valid[:, None] & rmask[None, :],
+        other=0.0,
+    ).to(tl.float32)  # [BLOCK_T, BLOCK_CH]
+
+    score = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    for hh in tl.static_range(GROUP):
+        qh = tl.load(
+            Q + b.to(tl.int64) * stride_qb + (g * GROUP + hh) * stride_qh + ch,
+            mask=rmask,
+            other=0.0,
+        ).to(tl.float32)
+        score = tl.maximum(score, tl.sum(k * qh[None, :], axis=1))
+    score = tl.where(valid, score, float("-inf"))
+    out_mask = in_range
+    tl.store(SCORES + b.to(tl.int64) * stride_ob + g * stride_og + t, score, mask=out_mask)
+    if WRITE_POS:
+        tl.store(
+            POSITIONS + b.to(tl.int64) * stride_pb + g * stride_pg + t,
+            tl.where(valid, pos, -1).to(tl.int32),
+            mask=out_mask,
+        )
+
+
+def label_token_scores_batched(
+    q: Tensor,
+    k_buffer: Tensor,
+    req_to_token: Tensor,
+    req_pool_indices: Tensor,
+    seq_lens: Tensor,
+    cand: Tensor | None,
+    block_size: int,
+    sink: int,
+    window: int,
+    channels: Tensor | None = None,
+    num_blocks: int | None = None,
+    scores_out: Tensor | None = None,
+    positions_out: Tensor | None = None,
+    return_positions: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """Token scores of the candidate blocks of every (request, kv head).
+
+    ``q`` ``[B, Hq, D]``; ``k_buffer`` ``[num_slots, Hkv, D]``; ``cand`` int ``[B, Hkv, C]``
+    block ids (``-1`` = none) or None for all ``num_blocks`` blocks; ``channels`` long
+    ``[Hkv, r]`` or None (all channels). Returns ``(scores [B, Hkv, C*bs] float32,
+    positions [B, Hkv, C*bs] int32 or None)``.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    group = num_q_heads // num_kv_heads
+    if cand is None:
+        if num_blocks is None:
+            raise ValueError("cand=None needs num_blocks")
+        num_cand = num_blocks
+    else:
+        num_cand = cand.shape[2]
+    n_tok = num_cand * block_size
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if k_buffer.stride(2) != 1:
+        raise ValueError("k_buffer rows must be contiguous")
+    if scores_out is None:
+        scores_out = torch.empty(batch, num_kv_heads, n_tok, dtype=torch.float32, device=q.device)
+    if return_positions and positions_out is None:
+        positions_out = torch.empty(batch, num_kv_heads, n_tok, dtype=torch.int32, device=q.device)
+    if not return_positions:
+        positions_out = None
+    if batch == 0 or n_tok == 0:
+        return scores_out, positions_out
+
+    if channels is not None:
+        if channels.shape[0] != num_kv_heads:
+            raise ValueError(f"channels {tuple(channels.shape)} != [Hkv={num_kv_heads}, r]")
+        num_ch = channels.shape[1]
+        if channels.stride(1) != 1:
+            channels = channels.contiguous()
+    else:
+        num_ch = head_dim
+    block_ch = triton.next_power_of_2(num_ch)
+    # Keep the gathered key tile around 4K elements per program.
+    block_t = max(block_size, min(triton.next_power_of_2(n_tok), max(16, 4096 // block_ch)))
+    dummy = scores_out
+    grid = (batch, num_kv_heads, triton.cdiv(n_tok, block_t))
+    _label_token_scores_kernel[grid](
+        q,
+        k_buffer,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        cand if cand is not None else dummy,
+        channels if channels is not None else dummy,
+        scores_out,
+        positions_out if positions_out is not None else dummy,
+        num_cand,
+        sink,
+        window,
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        req_to_token.stride(0),
+        cand.stride(0) if cand is not None else 0,
+        cand.stride(1) if cand is not None else 0,
+        channels.stride(0) if channels is not None else 0,
+        scores_out.stride(0),
+        scores_out.stride(1),
+        positions_out.stride(0) if positions_out is not None else 0,
+        positions_out.stride(1) if positions_out is not None else 0,
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        NUM_CH=num_ch,
+        BLOCK_CH=block_ch,
+        BLOCK_T=block_t,
+        ALL_BLOCKS=cand is None,
+        HAS_CHANNELS=channels is not None,
+        WRITE_POS=positions_out is not None,
+        num_warps=4,
+    )
+    return scores_out, positions_out
+
+
+def label_token_scores_batched_ref(
+    q: Tensor,
+    k_buffer: Tensor,
+    req_to_token: Tensor,
+    req_pool_indices: Tensor,
+    seq_lens: Tensor,
+    cand: Tensor | None,
+    block_size: int,
+    sink: int,
+    window: int,
+    channels: Tensor | None = None,
+    num_blocks: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Plain-torch reference of :func:`label_token_scores_batched` (loops over requests)."""
+    batch = q.shape[0]
+    num_kv_heads = k_buffer.shape[1]
+    if cand is None:
+        cand = torch.arange(num_blocks, device=q.device).expand(batch, num_kv_heads, -1)
+    num_cand = cand.shape[2]
+    bs = block_size
+    scores = torch.full(
+        (batch, num_kv_heads, num_cand * bs), float("-inf"), dtype=torch.float32, device=q.device
+    )
+    positions = torch.full_like(scores, -1, dtype=torch.int32)
+    for b in range(batch):
+        row, length = int(req_pool_indices[b]), int(seq_lens[b])
+        lo, hi = sink, length - window
+        if hi <= lo:
+            continue
+        keys = k_buffer[req_to_token[row, :length].long()]  # [L, Hkv, D]
+        all_scores = label_token_scores(q[b], keys, channels)  # [Hkv, L]
+        pos = cand[b].long()[:, :, None] * bs + torch.arange(bs, device=q.device)  # [Hkv, C, bs]
+        pos = pos.reshape(num_kv_heads, -1)
+        valid = (cand[b].long()[:, :, None] >= 0).expand(-1, -1, bs).reshape(num_kv_heads, -1)
+        valid &= (pos >= lo) & (pos < hi)
+        gathered = all_scores.gather(1, pos.clamp(0, length - 1))
+        scores[b] = gathered.masked_fill(~valid, float("-inf"))
+        positions[b] = torch.where(valid, pos, -1).int()
+    return scores, positions

@@ -1,0 +1,112 @@
+"""Batched Quest block scores (kernels/block_scores.py) against the per-request reference."""
+
+import os
+
+import torch
+
+# Without CUDA the Triton kernels run in Triton's CPU interpreter, which must be switched on
+# before triton is first imported in the process (see fresh_process_fallback below for when
+# another module imported it first).
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+
+from sglang_ext.kernels.block_scores import (  # noqa: E402
+    quest_block_scores_batched,
+    quest_block_scores_batched_ref,
+)
+from sglang_ext.kernels.testing import (  # noqa: E402
+    case_generator,
+    fresh_process_fallback,
+    make_paged_batch,
+    random_values,
+)
+from sglang_ext.selection.reference import block_minmax, quest_block_scores  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_interpreter_guard, _runner = fresh_process_fallback(__file__)
+if _runner is not None:
+    test_module_in_fresh_interpreter_process = _runner
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# (Hq, Hkv): MHA, GQA, MQA
+HEADS = [(4, 4), (6, 2), (4, 1)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _check(pb, q, sink, window, rtol=1e-5, atol=1e-4, precision=None):
+    bs = pb.page_size
+    shape = (q.shape[0], pb.k_buffer.shape[1], pb.max_blocks)
+    out = torch.full(shape, float("nan"), device=q.device)
+    got = quest_block_scores_batched(
+        q, pb.kmin, pb.kmax, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, bs, sink,
+        window, pb.max_blocks, out=out, precision=precision,
+    )
+    assert got.data_ptr() == out.data_ptr()
+    assert not got.isnan().any(), "unwritten entries"
+    ref = quest_block_scores_batched_ref(
+        q, pb.kmin, pb.kmax, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, bs, sink,
+        window, pb.max_blocks,
+    )
+    finite = ref.isfinite()
+    assert torch.equal(got.isfinite(), finite)
+    assert (got[~finite] == float("-inf")).all()
+    torch.testing.assert_close(got[finite], ref[finite], rtol=rtol, atol=atol)
+    # and against the selection reference on the keys themselves (summaries built from writes)
+    for b, length in enumerate(pb.lens):
+        lo, hi = sink, length - window
+        if hi <= lo:
+            assert not finite[b].any()
+            continue
+        first, last = lo // bs, (hi - 1) // bs
+        keys = pb.keys(b)[first * bs : (last + 1) * bs]
+        expect = quest_block_scores(q[b], *block_minmax(keys, bs))
+        torch.testing.assert_close(got[b, :, first : last + 1], expect, rtol=rtol, atol=atol)
+        assert finite[b, :, first : last + 1].all() and finite[b].sum() == expect.numel()
+
+
+@pytest.mark.parametrize("hq,hkv", HEADS, ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("bs,head_dim,precision", [(4, 16, "ieee"), (8, 32, "fma")])
+def test_matches_reference(hq, hkv, bs, head_dim, precision):
+    sink, window = 3, 5
+    # ragged: no middle, middle of one position, around block boundaries, long
+    all_lens = [1, sink + window, sink + window + 1, 2 * bs, 2 * bs + 1, 4 * bs - 1, 97, 60]
+    for i in range(0, len(all_lens), 4):
+        lens = all_lens[i : i + 4]
+        gen = case_generator("block_scores", hq, hkv, bs, head_dim, i)
+        pb = make_paged_batch(gen, lens, hkv, head_dim, bs, dtype=torch.bfloat16, device=DEVICE)
+        q = random_values(gen, len(lens), hq, head_dim, dtype=torch.bfloat16, device=DEVICE)
+        _check(pb, q, sink, window, precision=precision)
+
+
+def test_no_sink_and_fp32():
+    gen = case_generator("block_scores_nosink")
+    lens = [33, 17, 50]
+    pb = make_paged_batch(gen, lens, 3, 32, 4, dtype=torch.float32, device=DEVICE)
+    q = random_values(gen, 3, 9, 32, device=DEVICE)
+    for precision in (None, "ieee", "tf32x3", "fma"):
+        _check(pb, q, sink=0, window=1, precision=precision)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("precision", ["fma", "ieee", "tf32x3"])
+def test_gpu_real_shapes(precision):
+    gen = case_generator("gpu-block-scores", precision)
+    lens = [32768, 32768 - 7, 4099, 1]
+    pb = make_paged_batch(gen, lens, 8, 128, 16, dtype=torch.bfloat16, device="cuda",
+                          max_context=32768 + 64, summary_chunks=2)
+    q = random_values(gen, 4, 32, 128, dtype=torch.bfloat16, device="cuda")
+    # fp32 sums of 128 products of magnitude ~O(1..10): tolerate fp32 reassociation
+    _check(pb, q, sink=16, window=64, rtol=1e-5, atol=1e-3 * math.sqrt(128), precision=precision)

@@ -1,0 +1,122 @@
+"""Split-KV sparse decode attention over selected slots (kernels/sparse_attention.py) against
+the reference ``sparse_attention_with_lse``."""
+
+import os
+
+import torch
+
+# Without CUDA the Triton kernels run in Triton's CPU interpreter, which must be switched on
+# before triton is first imported in the process (see fresh_process_fallback below for when
+# another module imported it first).
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from sglang_ext.kernels.sparse_attention import (  # noqa: E402
+    sparse_attention_batched,
+    sparse_attention_batched_ref,
+)
+from sglang_ext.kernels.testing import (  # noqa: E402
+    case_generator,
+    fresh_process_fallback,
+    make_paged_batch,
+    random_values,
+)
+from sglang_ext.selection.reference import merge_attention_states  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_interpreter_guard, _runner = fresh_process_fallback(__file__)
+if _runner is not None:
+    test_module_in_fresh_interpreter_process = _runner
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+HEADS = [(4, 4), (6, 2), (4, 1)]
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _random_selection(gen, pb, num_sel):
+    """Distinct slots of each request (any position), -1 padding scattered anywhere; one
+    (request, kv head) with nothing selected."""
+    batch, hkv = len(pb.lens), pb.k_buffer.shape[1]
+    sel = torch.full((batch, hkv, num_sel), -1, dtype=torch.int64)
+    for b, length in enumerate(pb.lens):
+        row = int(pb.req_pool_indices[b])
+        slots = pb.req_to_token[row, :length].cpu().long()
+        for g in range(hkv):
+            n = min(length, num_sel)
+            pick = slots[torch.randperm(length, generator=gen)[:n]]
+            where = torch.randperm(num_sel, generator=gen)[:n]
+            sel[b, g, where] = pick
+    sel[0, -1] = -1
+    return sel
+
+
+def _check(pb, q, sel, sm_scale, num_splits, dtype):
+    batch, hq = q.shape[:2]
+    dv = pb.v_buffer.shape[2]
+    out = torch.full((batch, hq, dv), float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full((batch, hq), float("nan"), device=q.device)
+    got_o, got_l = sparse_attention_batched(
+        q, pb.k_buffer, pb.v_buffer, sel, sm_scale, num_splits=num_splits, out=out, lse=lse
+    )
+    assert got_o.data_ptr() == out.data_ptr() and got_l.data_ptr() == lse.data_ptr()
+    ref_o, ref_l = sparse_attention_batched_ref(q, pb.k_buffer, pb.v_buffer, sel, sm_scale)
+    assert not got_o.isnan().any() and not got_l.isnan().any()
+    assert got_o.dtype == q.dtype and got_l.dtype == torch.float32
+    torch.testing.assert_close(got_o.float(), ref_o.float(), **TOL[dtype])
+    assert torch.equal(got_l.isinf(), ref_l.isinf())
+    fin = ref_l.isfinite()
+    torch.testing.assert_close(got_l[fin], ref_l[fin], rtol=1e-4, atol=1e-4)
+    return got_o, got_l
+
+
+@pytest.mark.parametrize("hq,hkv", HEADS, ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_matches_reference(hq, hkv, dtype, num_splits):
+    gen = case_generator("attn", hq, hkv, dtype, num_splits)
+    head_dim, head_dim_v, bs = 32, 16, 4
+    pb = make_paged_batch(gen, [5, 40, 77], hkv, head_dim, bs, dtype=dtype, device=DEVICE,
+                          head_dim_v=head_dim_v, summary_chunks=0)
+    q = random_values(gen, 3, hq, head_dim, dtype=dtype, device=DEVICE)
+    sel = _random_selection(gen, pb, 48).to(DEVICE)
+    _check(pb, q, sel, head_dim ** -0.5, num_splits, dtype)
+
+
+def test_int32_slots_and_lse_merge():
+    """int32 slot lists; the LSE composes: attention over A ∪ B == merge(attn(A), attn(B))."""
+    gen = case_generator("attn-merge")
+    hq, hkv, d = 6, 2, 16
+    pb = make_paged_batch(gen, [60, 33], hkv, d, 8, device=DEVICE, summary_chunks=0)
+    q = random_values(gen, 2, hq, d, device=DEVICE)
+    sel = _random_selection(gen, pb, 32)
+    sel[0, -1] = sel[0, 0]  # make every head non-empty for the merge
+    both, _ = _check(pb, q, sel.int().to(DEVICE), 0.3, 2, torch.float32)
+    a, b = sel.clone(), sel.clone()
+    a[..., 16:], b[..., :16] = -1, -1
+    oa, la = sparse_attention_batched(q, pb.k_buffer, pb.v_buffer, a.to(DEVICE), 0.3)
+    ob, lb = sparse_attention_batched(q, pb.k_buffer, pb.v_buffer, b.to(DEVICE), 0.3)
+    merged, _ = merge_attention_states(oa.reshape(-1, d), la.reshape(-1), ob.reshape(-1, d),
+                                       lb.reshape(-1))
+    torch.testing.assert_close(merged.view_as(both), both, rtol=1e-4, atol=1e-5)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("num_splits", [None, 1, 32])
+def test_gpu_real_shapes(num_splits):
+    gen = case_generator("gpu-attn", num_splits)
+    pb = make_paged_batch(gen, [32768, 32768 - 3, 2000, 1], 8, 128, 16, dtype=torch.bfloat16,
+                          device="cuda", summary_chunks=0)
+    q = random_values(gen, 4, 32, 128, dtype=torch.bfloat16, device="cuda")
+    sel = _random_selection(gen, pb, 2048).cuda()
+    _check(pb, q, sel, 128 ** -0.5, num_splits, torch.bfloat16)

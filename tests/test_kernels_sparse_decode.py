@@ -1,0 +1,293 @@
+"""The batched sparse decode pipeline (kernels/sparse_decode.py) against the per-request oracle:
+``select_token_mask`` + ``sparse_attention`` of sglang_ext.selection.reference.
+
+Block summaries come from ``update_block_summaries`` over KV written in several chunks (see
+``make_paged_batch``). Checks: the same selected position SET per (request, kv head), slots
+that are ``req_to_token`` of those positions, outputs/LSE within tolerance.
+"""
+
+import os
+
+import torch
+
+# Without CUDA the Triton kernels run in Triton's CPU interpreter, which must be switched on
+# before triton is first imported in the process (see fresh_process_fallback below for when
+# another module imported it first).
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from sglang_ext.kernels.block_summary import update_block_summaries  # noqa: E402
+from sglang_ext.kernels.sparse_decode import (  # noqa: E402
+    SparseDecodeWorkspace,
+    select_slots_batched,
+    sparse_decode_batched,
+    sparse_decode_batched_ref,
+)
+from sglang_ext.kernels.testing import (  # noqa: E402
+    case_generator,
+    fresh_process_fallback,
+    make_paged_batch,
+    random_values,
+)
+from sglang_ext.selection.reference import SelectionParams  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_interpreter_guard, _runner = fresh_process_fallback(__file__)
+if _runner is not None:
+    test_module_in_fresh_interpreter_process = _runner
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _channels(gen, hkv, head_dim, r, device):
+    return torch.stack([torch.randperm(head_dim, generator=gen)[:r] for _ in range(hkv)]).to(device)
+
+
+def _poison(ws):
+    """Fill every workspace buffer with NaN / -7 so unwritten entries cannot pass."""
+    for name, buf in vars(ws).items():
+        if isinstance(buf, torch.Tensor):
+            buf.fill_(float("nan") if buf.is_floating_point() else -7)
+    return ws
+
+
+def _run_and_check(pb, q, params, channels, workspace=None, dtype=torch.bfloat16, max_diff=0):
+    """Pipeline vs oracle on one batch. ``max_diff``: positions allowed to differ per
+    (request, kv head) (0 = exact sets; only the torch.topk path under near-ties needs more)."""
+    head_dim = q.shape[2]
+    if workspace is None:
+        workspace = SparseDecodeWorkspace(q.shape[0], q.shape[1], pb.k_buffer.shape[1],
+                                          pb.v_buffer.shape[2], params, pb.max_blocks, q.device,
+                                          q.dtype)
+    _poison(workspace)
+    sm_scale = head_dim ** -0.5
+    args = (q, pb.k_buffer)
+    tail = (pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.kmin, pb.kmax, params)
+    slots, pos = select_slots_batched(*args, *tail, channels=channels, workspace=workspace,
+                                      return_positions=True)
+    slots, pos = slots.clone(), pos.clone()
+    out, lse = sparse_decode_batched(*args, pb.v_buffer, *tail, sm_scale, channels=channels,
+                                     workspace=workspace, return_lse=True)
+    ref_out, ref_lse, masks = sparse_decode_batched_ref(
+        q, pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, params,
+        sm_scale, channels,
+    )
+    assert slots.shape == pos.shape == (q.shape[0], pb.k_buffer.shape[1], params.budget)
+    assert (pos >= -1).all() and (slots >= -1).all(), "unwritten entries"
+    for b, length in enumerate(pb.lens):
+        row = int(pb.req_pool_indices[b])
+        for g in range(pb.k_buffer.shape[1]):
+            p = pos[b, g]
+            valid = p >= 0
+            got = p[valid].long().sort().values
+            expect = masks[b][g].nonzero().flatten()
+            where = f"request {b} (L={length}) kv head {g}"
+            if max_diff == 0:
+                assert torch.equal(got, expect), f"{where}: selected set differs"
+            else:
+                common = torch.isin(got, expect).sum()
+                assert got.numel() == got.unique().numel(), f"{where}: duplicates"
+                assert expect.numel() - common <= max_diff, f"{where}: sets differ"
+            assert torch.equal(slots[b, g][~valid], torch.full_like(slots[b, g][~valid], -1))
+            assert torch.equal(slots[b, g][valid], pb.req_to_token[row, p[valid].long()])
+    if max_diff == 0:
+        torch.testing.assert_close(out.float(), ref_out.float(), **TOL[dtype])
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-3)
+    return out, lse
+
+
+# Per case: (Hq, Hkv, head_dim, bs, sink, window, budget); budget - sink - window = n_sel.
+SHAPES = [(6, 2, 32, 4, 3, 5, 24), (4, 4, 16, 8, 3, 5, 40), (4, 1, 32, 4, 0, 1, 21)]
+
+
+def _lens_for(bs, budget):
+    """Ragged lengths: below / at / one past the budget, around block boundaries, long."""
+    return [[budget // 2, budget, budget + 1], [4 * bs * 2 - 1, 8 * bs + 1, 97]]
+
+
+@pytest.mark.parametrize("method", ["quest", "ds", "two_level"])
+@pytest.mark.parametrize("use_channels", [False, True], ids=["allch", "labels"])
+def test_matches_reference(method, use_channels):
+    case = ["quest", "ds", "two_level"].index(method) + 3 * use_channels
+    hq, hkv, head_dim, bs, sink, window, budget = SHAPES[(case + use_channels) % 3]
+    n_sel = budget - sink - window
+    # two_level: sometimes fewer candidate tokens than n_sel (slots stay -1), sometimes more
+    cand_blocks = (n_sel // bs - 1) if case % 2 else (2 * n_sel // bs)
+    params = SelectionParams(method, budget, bs, max(cand_blocks, 1), sink, window)
+    for i, lens in enumerate(_lens_for(bs, budget)):
+        gen = case_generator("decode", method, use_channels, i)
+        dtype = torch.float32 if (use_channels and i) else torch.bfloat16
+        pb = make_paged_batch(gen, lens, hkv, head_dim, bs, dtype=dtype, device=DEVICE,
+                              summary_chunks=3)
+        q = random_values(gen, len(lens), hq, head_dim, dtype=dtype, device=DEVICE)
+        channels = _channels(gen, hkv, head_dim, 5, DEVICE) if use_channels else None
+        _run_and_check(pb, q, params, channels, dtype=dtype)
+
+
+def test_fp32_ties_exact():
+    """Dyadic keys/queries make many scores tie exactly; the Triton top-k breaks ties to the
+    lower block / position like the oracle, so the sets still agree exactly."""
+    hq, hkv, d, bs = 6, 2, 16, 4
+    for method in ("quest", "two_level"):
+        params = SelectionParams(method, 20, bs, 3, 2, 3)
+        gen = case_generator("ties", method)
+        pb = make_paged_batch(gen, [61, 90], hkv, d, bs, dtype=torch.float32, device=DEVICE,
+                              dyadic=True)
+        q = random_values(gen, 2, hq, d, device=DEVICE, dyadic=True)
+        _run_and_check(pb, q, params, _channels(gen, hkv, d, 4, DEVICE), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("method,n_sel", [("quest", 3), ("two_level", 0), ("ds", 0)])
+def test_degenerate_budgets(method, n_sel):
+    """Nothing to select in the middle (quest with n_sel < bs, or n_sel == 0): sink + window
+    only, as in the oracle."""
+    hq, hkv, d, bs, sink, window = 4, 2, 16, 4, 2, 6
+    params = SelectionParams(method, sink + window + n_sel, bs, 2, sink, window)
+    gen = case_generator("degenerate", method)
+    pb = make_paged_batch(gen, [params.budget, 30, 51], hkv, d, bs, dtype=torch.float32,
+                          device=DEVICE)
+    q = random_values(gen, 3, hq, d, device=DEVICE)
+    _run_and_check(pb, q, params, None, dtype=torch.float32)
+
+
+def test_padding_entries_and_workspace_reuse():
+    """Padded batch entries (row 0, seq_len 1) change nothing for the real ones; a workspace
+    sized for 5 serves batches of 5 and 2 and gives the fresh-workspace results."""
+    hq, hkv, d, bs = 6, 2, 32, 4
+    params = SelectionParams("two_level", 24, bs, 4, 3, 5)
+    gen = case_generator("padding")
+    pb = make_paged_batch(gen, [70, 30, 23], hkv, d, bs, device=DEVICE)
+    q = random_values(gen, 5, hq, d, dtype=torch.float32, device=DEVICE)
+    ws = SparseDecodeWorkspace(5, hq, hkv, d, params, pb.max_blocks, DEVICE, torch.float32)
+    common = (pb.req_to_token,)
+    real = sparse_decode_batched(q[:3], pb.k_buffer, pb.v_buffer, *common, pb.req_pool_indices,
+                                 pb.seq_lens, pb.kmin, pb.kmax, params, 0.2).clone()
+    rows = torch.cat([pb.req_pool_indices, torch.zeros(2, dtype=torch.int64, device=DEVICE)])
+    lens = torch.cat([pb.seq_lens, torch.ones(2, dtype=torch.int32, device=DEVICE)])
+    padded = sparse_decode_batched(q, pb.k_buffer, pb.v_buffer, *common, rows, lens, pb.kmin,
+                                   pb.kmax, params, 0.2, workspace=ws)
+    assert padded.data_ptr() == ws.out.data_ptr()
+    torch.testing.assert_close(padded[:3], real, rtol=0, atol=0)
+    assert padded[3:].isfinite().all()
+    # padded entries attend exactly the padding slot 0
+    torch.testing.assert_close(padded[3:], pb.v_buffer[0].repeat_interleave(hq // hkv, 0)
+                               .expand(2, -1, -1))
+    again = sparse_decode_batched(q[1:3], pb.k_buffer, pb.v_buffer, *common,
+                                  pb.req_pool_indices[1:], pb.seq_lens[1:], pb.kmin, pb.kmax,
+                                  params, 0.2, workspace=ws)
+    torch.testing.assert_close(again, real[1:], rtol=0, atol=0)
+    with pytest.raises(ValueError):
+        sparse_decode_batched(q, pb.k_buffer, pb.v_buffer, *common, rows, lens, pb.kmin,
+                              pb.kmax, SelectionParams("quest", 24, bs, 4, 3, 5), 0.2,
+                              workspace=ws)
+
+
+def test_torch_topk_impl():
+    hq, hkv, d, bs = 4, 4, 16, 4
+    params = SelectionParams("two_level", 24, bs, 4, 3, 5)
+    gen = case_generator("torch-topk")
+    pb = make_paged_batch(gen, [25, 64, 99], hkv, d, bs, dtype=torch.bfloat16, device=DEVICE)
+    q = random_values(gen, 3, hq, d, dtype=torch.bfloat16, device=DEVICE)
+    ws = SparseDecodeWorkspace(3, hq, hkv, d, params, pb.max_blocks, DEVICE, torch.bfloat16,
+                               topk_impl="torch")
+    _run_and_check(pb, q, params, None, workspace=ws)
+
+
+# ------------------------------------------------------------------------------------ GPU
+
+GPU_LENS = [32768, 32768 - 5, 2048 + 1, 2048]  # long, long, budget + 1, budget
+
+
+def _gpu_params(method):
+    # SparseConfig defaults: sink 16, window 64, budget 2048, bs 16, candidates 2x the need
+    return SelectionParams(method, 2048, 16, 2 * -(-(2048 - 80) // 16), 16, 64)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("method", ["quest", "ds", "two_level"])
+@pytest.mark.parametrize("use_channels", [False, True], ids=["allch", "labels"])
+def test_gpu_real_shapes(method, use_channels):
+    """Qwen3-8B layer (Hq 32, Hkv 8, D 128, bf16), L 32k, budget 2048, bs 16, B 4. Dyadic q/k
+    make every score exact in fp32, so sets must agree exactly, ties included."""
+    gen = case_generator("gpu-decode", method, use_channels)
+    pb = make_paged_batch(gen, GPU_LENS, 8, 128, 16, dtype=torch.bfloat16, device="cuda",
+                          summary_chunks=4, dyadic=True)
+    q = random_values(gen, 4, 32, 128, dtype=torch.bfloat16, device="cuda", dyadic=True)
+    channels = _channels(gen, 8, 128, 16, "cuda") if use_channels else None
+    _run_and_check(pb, q, _gpu_params(method), channels)
+
+
+@gpu
+@needs_cuda
+def test_gpu_torch_topk_continuous():
+    """torch.topk path, continuous random values: sets equal up to rare fp32 near-ties."""
+    gen = case_generator("gpu-decode-torch")
+    pb = make_paged_batch(gen, GPU_LENS, 8, 128, 16, dtype=torch.bfloat16, device="cuda")
+    q = random_values(gen, 4, 32, 128, dtype=torch.bfloat16, device="cuda")
+    params = _gpu_params("two_level")
+    ws = SparseDecodeWorkspace(4, 32, 8, 128, params, pb.max_blocks, "cuda", torch.bfloat16,
+                               topk_impl="torch")
+    _run_and_check(pb, q, params, None, workspace=ws, max_diff=32)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("method", ["quest", "two_level"])
+def test_gpu_cuda_graph_replay(method):
+    """Capture once, replay with new q and grown seq_lens (new tokens written and folded into
+    the summaries outside the graph): each replay equals the eager result."""
+    gen = case_generator("gpu-graph", method)
+    lens = [32768 - 5, 20001, 4093]  # not page aligned: the next token's slot is allocated
+    pb = make_paged_batch(gen, lens, 8, 128, 16, dtype=torch.bfloat16, device="cuda")
+    params = _gpu_params(method)
+    channels = _channels(gen, 8, 128, 16, "cuda")
+    rows = torch.cat([pb.req_pool_indices, torch.zeros(1, dtype=torch.int64, device="cuda")])
+    seq = torch.cat([pb.seq_lens, torch.ones(1, dtype=torch.int32, device="cuda")])  # + padding
+    q = random_values(gen, 4, 32, 128, dtype=torch.bfloat16, device="cuda")
+    ws = SparseDecodeWorkspace(4, 32, 8, 128, params, pb.max_blocks, "cuda", torch.bfloat16)
+
+    def step(q_, rows_, seq_, workspace):
+        return sparse_decode_batched(q_, pb.k_buffer, pb.v_buffer, pb.req_to_token, rows_, seq_,
+                                     pb.kmin, pb.kmax, params, 128 ** -0.5, channels=channels,
+                                     workspace=workspace)
+
+    static_q, static_rows, static_seq = q.clone(), rows.clone(), seq.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step(static_q, static_rows, static_seq, ws)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step(static_q, static_rows, static_seq, ws)
+
+    for it in range(3):
+        if it:
+            # decode step: write each real request's new token, fold it into the summaries
+            new_pos = seq[:3].long()
+            loc = pb.req_to_token[rows[:3], new_pos].long()
+            new_k = random_values(gen, 3, 8, 128, dtype=torch.bfloat16, device="cuda")
+            pb.k_buffer[loc] = new_k
+            pb.v_buffer[loc] = random_values(gen, 3, 8, 128, dtype=torch.bfloat16, device="cuda")
+            update_block_summaries(pb.kmin, pb.kmax, new_k, loc, 16)
+            seq[:3] += 1
+            q = random_values(gen, 4, 32, 128, dtype=torch.bfloat16, device="cuda")
+        static_q.copy_(q)
+        static_seq.copy_(seq)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = step(q, rows, seq, None)
+        torch.testing.assert_close(static_out, eager, rtol=0, atol=0)

@@ -1,0 +1,131 @@
+"""Label-channel token scores of candidate blocks (kernels/token_scores.py) against the
+per-request reference ``label_token_scores``."""
+
+import os
+
+import torch
+
+# Without CUDA the Triton kernels run in Triton's CPU interpreter, which must be switched on
+# before triton is first imported in the process (see fresh_process_fallback below for when
+# another module imported it first).
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from sglang_ext.kernels.testing import (  # noqa: E402
+    case_generator,
+    fresh_process_fallback,
+    make_paged_batch,
+    random_values,
+)
+from sglang_ext.kernels.token_scores import (  # noqa: E402
+    label_token_scores_batched,
+    label_token_scores_batched_ref,
+)
+from sglang_ext.selection.reference import label_token_scores  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_interpreter_guard, _runner = fresh_process_fallback(__file__)
+if _runner is not None:
+    test_module_in_fresh_interpreter_process = _runner
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+HEADS = [(4, 4), (6, 2), (4, 1)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _random_cand(gen, pb, num_cand):
+    """Distinct random block ids per (request, kv head) including some past the end, with -1s."""
+    batch, hkv = len(pb.lens), pb.k_buffer.shape[1]
+    cand = torch.empty(batch, hkv, num_cand, dtype=torch.int32)
+    for b in range(batch):
+        for g in range(hkv):
+            cand[b, g] = torch.randperm(pb.max_blocks, generator=gen)[:num_cand].int()
+    cand[torch.rand(cand.shape, generator=gen) < 0.2] = -1
+    return cand.to(pb.k_buffer.device)
+
+
+def _check(pb, q, cand, channels, sink, window, rtol=1e-5, atol=1e-4):
+    bs = pb.page_size
+    batch, hkv = q.shape[0], pb.k_buffer.shape[1]
+    num_tok = (cand.shape[2] if cand is not None else pb.max_blocks) * bs
+    scores = torch.full((batch, hkv, num_tok), float("nan"), device=q.device)
+    positions = torch.full((batch, hkv, num_tok), -7, dtype=torch.int32, device=q.device)
+    args = (q, pb.k_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, cand, bs, sink,
+            window, channels)
+    got_s, got_p = label_token_scores_batched(
+        *args, num_blocks=pb.max_blocks, scores_out=scores, positions_out=positions
+    )
+    assert got_s.data_ptr() == scores.data_ptr() and got_p.data_ptr() == positions.data_ptr()
+    assert not got_s.isnan().any() and not (got_p == -7).any(), "unwritten entries"
+    ref_s, ref_p = label_token_scores_batched_ref(*args, num_blocks=pb.max_blocks)
+    assert torch.equal(got_p, ref_p)
+    finite = ref_s.isfinite()
+    assert torch.equal(got_s.isfinite(), finite) and (got_s[~finite] == float("-inf")).all()
+    torch.testing.assert_close(got_s[finite], ref_s[finite], rtol=rtol, atol=atol)
+    # the scores are the selection reference's, read at the positions
+    for b in range(batch):
+        full = label_token_scores(q[b], pb.keys(b), channels)  # [Hkv, L]
+        for g in range(hkv):
+            pos = got_p[b, g]
+            ok = pos >= 0
+            torch.testing.assert_close(
+                got_s[b, g][ok], full[g, pos[ok].long()], rtol=rtol, atol=atol
+            )
+
+
+@pytest.mark.parametrize("hq,hkv", HEADS, ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("use_channels", [True, False], ids=["labels", "allch"])
+def test_candidates_match_reference(hq, hkv, use_channels):
+    bs, head_dim, sink, window = 4, 32, 3, 5
+    gen = case_generator("token_scores", hq, hkv, use_channels)
+    lens = [9, 2 * bs + 1, 70]
+    pb = make_paged_batch(gen, lens, hkv, head_dim, bs, dtype=torch.bfloat16, device=DEVICE,
+                          summary_chunks=0)
+    q = random_values(gen, len(lens), hq, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    channels = None
+    if use_channels:
+        channels = torch.stack([torch.randperm(head_dim, generator=gen)[:6] for _ in range(hkv)])
+        channels = channels.to(DEVICE)
+    cand = _random_cand(gen, pb, 7)
+    _check(pb, q, cand, channels, sink, window)
+
+
+@pytest.mark.parametrize("use_channels", [True, False], ids=["labels", "allch"])
+def test_all_blocks(use_channels):
+    """cand=None: every block is a candidate (the DS whole-middle scoring)."""
+    bs, head_dim, hkv, hq = 8, 16, 3, 9
+    gen = case_generator("token_scores_all", use_channels)
+    lens = [1, 23, 41]
+    pb = make_paged_batch(gen, lens, hkv, head_dim, bs, dtype=torch.float32, device=DEVICE,
+                          summary_chunks=0)
+    q = random_values(gen, len(lens), hq, head_dim, device=DEVICE)
+    channels = None
+    if use_channels:
+        channels = torch.stack([torch.randperm(head_dim, generator=gen)[:5] for _ in range(hkv)])
+        channels = channels.to(DEVICE)
+    _check(pb, q, None, channels, sink=0, window=1)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("use_channels", [True, False], ids=["labels", "allch"])
+def test_gpu_real_shapes(use_channels):
+    gen = case_generator("gpu-token-scores", use_channels)
+    lens = [32768, 32768 - 9, 3000, 1]
+    pb = make_paged_batch(gen, lens, 8, 128, 16, dtype=torch.bfloat16, device="cuda",
+                          summary_chunks=0)
+    q = random_values(gen, 4, 32, 128, dtype=torch.bfloat16, device="cuda")
+    channels = None
+    if use_channels:
+        channels = torch.stack([torch.randperm(128, generator=gen)[:16] for _ in range(8)]).cuda()
+    cand = _random_cand(gen, pb, 246)
+    _check(pb, q, cand, channels, sink=16, window=64, atol=1e-3)

@@ -1,0 +1,121 @@
+"""Batched masked top-k (kernels/topk.py): the Triton radix select equals the reference exactly
+(ties to the lower index, ascending output, -1 padding); the torch.topk path selects the same
+sets when there are no ties."""
+
+import os
+
+import torch
+
+# Without CUDA the Triton kernels run in Triton's CPU interpreter, which must be switched on
+# before triton is first imported in the process (see fresh_process_fallback below for when
+# another module imported it first).
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from sglang_ext.kernels import topk as topk_mod  # noqa: E402
+from sglang_ext.kernels.testing import (  # noqa: E402
+    case_generator,
+    fresh_process_fallback,
+)
+from sglang_ext.kernels.topk import topk_masked, topk_masked_ref  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_interpreter_guard, _runner = fresh_process_fallback(__file__)
+if _runner is not None:
+    test_module_in_fresh_interpreter_process = _runner
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+POISON = 123456
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _scores(gen, rows, n, ties=False):
+    """Rows covering the cases: random, partly masked, fully masked, fewer finite than k,
+    +inf entries, (optionally) heavy ties, negative and positive zero."""
+    if ties:
+        s = torch.randint(-4, 5, (rows, n), generator=gen).float() / 2
+    else:
+        s = torch.randn(rows, n, generator=gen) * 100
+    s[0, torch.rand(n, generator=gen) < 0.5] = float("-inf")
+    if rows > 1:
+        s[1] = float("-inf")
+    if rows > 2:
+        s[2, 3:] = float("-inf")  # only 3 finite
+    if rows > 3:
+        s[3, : min(n, 4)] = float("inf")
+        s[3, -1] = -0.0
+        s[3, 5 % n] = -0.0  # ties with +0.0 (reference semantics), before later +0.0s
+    return s
+
+
+def _sets(idx):
+    return [set(x for x in row.tolist() if x >= 0) for row in idx.reshape(-1, idx.shape[-1])]
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (13, 5), (40, 40), (50, 64), (100, 17), (300, 150)])
+@pytest.mark.parametrize("ties", [False, True], ids=["cont", "ties"])
+def test_triton_equals_reference(n, k, ties):
+    gen = case_generator("topk", n, k, ties)
+    s = _scores(gen, 5, n, ties).to(DEVICE)
+    out = torch.full((5, k), POISON, dtype=torch.int32, device=DEVICE)
+    got = topk_masked(s, k, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(got, topk_masked_ref(s, k))
+
+
+def test_streaming_rows_and_batched_shape(monkeypatch):
+    """Rows longer than the register-resident limit stream from memory each pass; leading
+    dims are kept."""
+    monkeypatch.setattr(topk_mod, "_MAX_RESIDENT", 256)
+    monkeypatch.setattr(topk_mod, "_STREAM_BLOCK", 128)
+    gen = case_generator("topk-stream")
+    for ties in (False, True):
+        s = _scores(gen, 4, 1000, ties).view(2, 2, 1000).to(DEVICE)
+        for k in (7, 300):
+            got = topk_masked(s, k)
+            assert got.shape == (2, 2, k)
+            assert torch.equal(got, topk_masked_ref(s, k))
+
+
+def test_torch_impl_same_sets():
+    gen = case_generator("topk-torch")
+    for n, k in [(13, 5), (50, 64), (300, 150)]:
+        s = _scores(gen, 5, n).to(DEVICE)
+        s[3, :4] = torch.arange(4.0) + 1e3  # distinct, no +inf ties
+        out = torch.full((5, k), POISON, dtype=torch.int32, device=DEVICE)
+        got = topk_masked(s, k, out=out, impl="torch")
+        assert not (got == POISON).any()
+        assert _sets(got) == _sets(topk_masked_ref(s, k))
+        # -1 exactly where the row has fewer finite entries than k
+        finite = s.isfinite().sum(-1).clamp(max=k)
+        assert torch.equal((got >= 0).sum(-1), finite)
+
+
+def test_k_zero():
+    s = torch.randn(3, 10, device=DEVICE)
+    assert topk_masked(s, 0).shape == (3, 0)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("n,k", [(2048, 123), (2048, 246), (3936, 1968), (8192, 246),
+                                 (32768, 1968), (131072, 1968)])
+def test_gpu_real_shapes(n, k):
+    """Pipeline shapes: block top-k (max_blocks x C), token top-k (C*bs x n_sel), DS over the
+    whole 32k / 128k context; 32 rows = B 4 x Hkv 8."""
+    gen = case_generator("gpu-topk", n, k)
+    for ties in (False, True):
+        s = _scores(gen, 32, n, ties).cuda()
+        got = topk_masked(s, k)
+        assert torch.equal(got, topk_masked_ref(s, k))
+        if not ties:
+            assert _sets(topk_masked(s, k, impl="torch")) == _sets(got)
