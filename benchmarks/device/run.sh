@@ -19,7 +19,7 @@ for step in "$@"; do
     gputests)
       python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tail -25 || status=1 ;;
     operator)
-      python3 benchmarks/bench_operator.py --check --out "$OUT" || status=1 ;;
+      python3 benchmarks/bench_operator.py --check --out "$OUT" ${OPERATOR_ARGS:-} || status=1 ;;
     server)
       python3 benchmarks/e2e_serving.py --out "$OUT" --configs sglang_ext --input-len 32768 \
         --output-len 128 --num-prompts 4 --concurrency 4 --extra "--mem-fraction-static 0.75" \
@@ -28,7 +28,8 @@ for step in "$@"; do
     e2e)
       python3 benchmarks/e2e_serving.py --out "$OUT" --configs flashinfer sglang_ext \
         --input-len "${E2E_INPUT:-32768}" --output-len "${E2E_OUTPUT:-512}" \
-        --num-prompts "${E2E_PROMPTS:-16}" --concurrency "${E2E_PROMPTS:-16}" || status=1 ;;
+        --num-prompts "${E2E_PROMPTS:-16}" --concurrency "${E2E_PROMPTS:-16}" \
+        --extra "--mem-fraction-static 0.75" || status=1 ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
 done
