@@ -78,6 +78,41 @@ def stop(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def server_log_stats(log_text: str) -> dict[str, int]:
+    """What the server log says happened. bench_serving counts error replies as completed, so
+    the driver also checks that the server really prefilled the prompts and decoded."""
+    errors = [line for line in log_text.splitlines()
+              if "Traceback" in line or "memory leak" in line or "] Error:" in line]
+    return {
+        "server_errors": len(errors),
+        "server_prefill_tokens": sum(int(m) for m in re.findall(r"#new-token: (\d+)", log_text)),
+        "server_decode_log_lines": log_text.count("Decode batch"),
+    }
+
+
+def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    backends = sorted({r["backend"] for r in rows})
+    contexts = sorted({r["input_len"] for r in rows})
+    width = 0.8 / len(backends)
+    for i, backend in enumerate(backends):
+        ys = [next((r["output_tok_s"] for r in rows if r["backend"] == backend and r["input_len"] == c), 0)
+              for c in contexts]
+        ax.bar([j + i * width for j in range(len(contexts))], ys, width, label=backend)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(contexts))], [f"{c // 1024}k" for c in contexts])
+    ax.set_xlabel("input tokens")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def tail(path: str, n: int = 40) -> str:
     with open(path, errors="replace") as f:
         return "".join(f.readlines()[-n:])
@@ -129,13 +164,7 @@ def main() -> int:
                            os.path.join(args.out, f"bench_{name}.jsonl"))
         finally:
             stop(proc)
-        log_text = open(log_path, errors="replace").read()
-        errors = [line for line in log_text.splitlines()
-                  if "Traceback" in line or "memory leak" in line or "Error:" in line]
-        # bench_serving counts error replies as completed: check the server really prefilled
-        # and decoded the prompts.
-        prefilled = sum(int(m) for m in re.findall(r"#new-token: (\d+)", log_text))
-        decode_steps = log_text.count("Decode batch")
+        stats = server_log_stats(open(log_path, errors="replace").read())
         rows.append({
             "input_len": args.input_len, "output_len": args.output_len, "backend": name,
             "config": " ".join(CONFIGS[name] + args.extra.split()),
@@ -145,16 +174,16 @@ def main() -> int:
             "median_itl_ms": result.get("median_itl_ms"),
             "median_ttft_ms": result.get("median_ttft_ms"),
             "max_concurrent_requests": result.get("max_concurrent_requests"),
-            "server_errors": len(errors),
-            "server_prefill_tokens": prefilled,
-            "server_decode_log_lines": decode_steps,
+            **stats,
         })
         print(json.dumps(rows[-1]), flush=True)
     base = next((r for r in rows if r["backend"] == "flashinfer"), None)
     for r in rows:
         r["speedup_vs_flashinfer"] = (r["output_tok_s"] / base["output_tok_s"]) if base and base["output_tok_s"] else None
-    write_results(os.path.join(args.out, "e2e_h200.json"), rows,
-                  {"commit": git_commit(), "gpu": gpu_name(), "model": os.path.basename(args.model)})
+    meta = {"commit": git_commit(), "gpu": gpu_name(), "model": os.path.basename(args.model)}
+    write_results(os.path.join(args.out, "e2e_h200.json"), rows, meta)
+    plot(rows, os.path.join(args.out, "e2e_h200.png"),
+         f"{meta['gpu']}, {meta['model']} (dummy weights), bench_serving random-ids")
     print(f"{'backend':12} {'in':>7} {'out':>5} {'tok/s':>8} {'TPOT ms':>8} {'TTFT ms':>9} {'x FI':>6}")
     for r in rows:
         sp = r["speedup_vs_flashinfer"]
