@@ -35,6 +35,9 @@ CONFIGS: dict[str, list[str]] = {
     "triton": ["--attention-backend", "triton"],
     "sglang_ext": ["--attention-backend", "sglang_ext", "--sparse-budget", "2048",
                    "--sparse-block-size", "16"],
+    # the same, with FlashInfer (instead of SGLang's triton) running the dense prefill
+    "sglang_ext_fi": ["--attention-backend", "sglang_ext", "--sparse-budget", "2048",
+                      "--sparse-block-size", "16", "--sparse-dense-backend", "flashinfer"],
 }
 
 

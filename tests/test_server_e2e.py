@@ -52,14 +52,16 @@ def _prompts(tokenizer_words: int, seed: int) -> list[str]:
 def test_budget_at_least_context_matches_sglang_token_for_token(ours: Server, reference: Server):
     """With budget >= context our decode is SGLang's dense decode: greedy outputs are equal.
 
-    The prompts go in as one batched request, so both servers run the same batches (decode
-    batches that mix requests of different lengths); CPU GEMMs round differently for different
-    batch shapes, so independently arriving requests could batch differently on each server."""
+    One request at a time: CPU GEMMs round differently for different batch shapes, and which
+    requests share a batch depends on arrival timing, so even SGLang alone is not bit-stable
+    across runs when requests overlap. Mixed-length batches are checked at the backend level
+    (tests/test_backend_decode.py)."""
     prompts = _prompts(600, seed=0)
-    ours_out = ours.generate(prompts, max_new_tokens=24, custom_params={"sparse": {"budget": 8192}})
-    reference_out = reference.generate(prompts, max_new_tokens=24)
-    assert [o["output_ids"] for o in ours_out] == [o["output_ids"] for o in reference_out]
-    assert max(o["meta_info"]["prompt_tokens"] for o in ours_out) > 256  # beyond the default budget
+    for prompt in prompts:
+        ours_out = ours.generate(prompt, max_new_tokens=24, custom_params={"sparse": {"budget": 8192}})
+        reference_out = reference.generate(prompt, max_new_tokens=24)
+        assert ours_out["output_ids"] == reference_out["output_ids"], prompt[:60]
+    assert ours_out["meta_info"]["prompt_tokens"] > 256  # beyond the server's budget
 
 
 def test_generate_endpoint(ours: Server):
