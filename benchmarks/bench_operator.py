@@ -13,9 +13,9 @@ For Qwen3-8B layer shapes (32 q heads, 8 kv heads, head dim 128, bf16) and every
 * ``triton``: SGLang's Triton full decode ``decode_attention_fwd``
   (sglang.kernels.ops.attention.decode_attention), page size 1, ``num_kv_splits`` from
   SGLang's ``get_num_kv_splits_triton`` with 8 max splits (SGLang's defaults);
-* ``floor``: the bytes our path must read (selected K/V + block summaries + label channels +
-  index lookups + q/out) divided by the HBM bandwidth measured in the same run with a large
-  device-to-device copy.
+* ``floor``: the bytes our path must read (selected K/V + block summaries, 2 bytes per value
+  in bf16 (the default ``--summary-dtype``) + label channels + index lookups + q/out) divided
+  by the HBM bandwidth measured in the same run with a large device-to-device copy.
 
 Timing: CUDA events around each call, warmup, median of ``--iters``, L2 flushed before every
 timed call, each operator captured in a CUDA graph (``--no-graphs`` for eager). One layer's
@@ -23,7 +23,11 @@ KV for the largest case (128k x 32 x 8 heads x 128 x 2 B x 2 = 16 GiB) is alloca
 shared. Writes ``<out>/operator_h200.json`` and ``<out>/operator_h200.png`` and prints a table.
 
 ``--check`` first compares ours against the plain-torch reference (and the two baselines
-against a dense reference) on small cases and exits non-zero on a mismatch.
+against a dense reference) on small cases and exits non-zero on a mismatch: the page summaries
+(kept in ``--summary-dtype``, maintained by the atomic-free update) against the keys' block
+min/max, the selected sets against the oracle's, and the selection variants (float32
+summaries, unfused top-k + assembly, 6-bit radix, tensor-core block scores) against the default
+path. Variants are timed as extra ``ours_*`` columns (``--compare-*`` options).
 """
 
 from __future__ import annotations
@@ -64,9 +68,21 @@ def parse_args(argv=None):
     p.add_argument("--topk-impl", default="triton", choices=["triton", "torch"])
     p.add_argument("--compare-topk", action=argparse.BooleanOptionalAction, default=True,
                    help="also time ours with the other top-k implementation (default: on)")
+    p.add_argument("--summary-dtype", default="bf16", choices=["bf16", "fp32"],
+                   help="dtype of the per-page key min/max summaries (default: the KV dtype)")
+    p.add_argument("--compare-summary-dtype", action="store_true",
+                   help="also time ours with summaries in the other dtype")
+    p.add_argument("--topk-radix-bits", type=int, default=8, choices=[5, 6, 7, 8],
+                   help="digit width of the Triton radix top-k (see kernels/topk.py)")
+    p.add_argument("--fuse-assemble", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the last top-k and the slot assembly as one kernel (default: on)")
     p.add_argument("--block-score-precision", default="auto",
-                   choices=["auto", "fma", "ieee", "tf32x3"],
+                   choices=["auto", "fma", "ieee", "tf32x3", "tc"],
                    help="how Quest block scores are computed (see block_scores.py)")
+    p.add_argument("--compare-block-score-precision", default="tc",
+                   choices=["none", "fma", "ieee", "tf32x3", "tc"],
+                   help="also time ours (full and select only) with this block-score precision "
+                        "(default: tc, the tensor-core path; none: skip)")
     p.add_argument("--fi-page-size", type=int, default=16, choices=[1, 16])
     p.add_argument("--fi-tensor-cores", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--triton-max-kv-splits", type=int, default=8,
@@ -216,15 +232,24 @@ def selection_params(args):
                            args.window)
 
 
-def floor_bytes(params, batch: int, context: int, num_channels: int) -> int:
-    """Bytes the sparse path must move for one layer's decode step of this batch."""
+SUMMARY_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def summary_bytes_per_value(name: str) -> int:
+    return {"bf16": 2, "fp32": 4}[name]
+
+
+def floor_bytes(params, batch: int, context: int, num_channels: int,
+                summary_bytes: int = 2) -> int:
+    """Bytes the sparse path must move for one layer's decode step of this batch
+    (``summary_bytes`` per summary value: 2 for bf16 summaries, 4 for float32)."""
     bs = params.block_size
     blocks = -(-context // bs)
     sel_kv = batch * HKV * min(params.budget, context) * (HEAD_DIM + HEAD_DIM) * 2
     qo = batch * HQ * HEAD_DIM * 2 * 2
     summaries = labels = index = 0
     if params.method in ("quest", "two_level"):
-        summaries = batch * HKV * blocks * HEAD_DIM * 4 * 2  # fp32 kmin + kmax
+        summaries = batch * HKV * blocks * HEAD_DIM * summary_bytes * 2  # kmin + kmax
         index += batch * blocks * 4  # page of each block
     if params.method == "two_level":
         cand_tok = min(params.candidate_blocks, blocks) * bs
@@ -362,15 +387,17 @@ def run_check(args) -> bool:
     import torch
 
     from sglang_ext.kernels.sparse_decode import (
+        SparseDecodeWorkspace,
         select_slots_batched,
         sparse_decode_batched,
         sparse_decode_batched_ref,
     )
     from sglang_ext.kernels.testing import case_generator, make_paged_batch, random_values
-    from sglang_ext.selection.reference import SelectionParams
+    from sglang_ext.selection.reference import SelectionParams, block_minmax
 
     ok = True
     bs = args.block_size
+    summary_dtype = getattr(torch, SUMMARY_DTYPES[args.summary_dtype])
     sm_scale = HEAD_DIM ** -0.5
     lens = [args.budget // 2, args.budget + 1, 3 * args.budget + 5]
     base = selection_params(args)
@@ -380,7 +407,15 @@ def run_check(args) -> bool:
         for use_channels in (False, True):
             gen = case_generator("bench-check", method, use_channels)
             pb = make_paged_batch(gen, lens, HKV, HEAD_DIM, bs, dtype=torch.bfloat16,
-                                  device="cuda", dyadic=True)
+                                  device="cuda", dyadic=True, summary_chunks=4,
+                                  summary_dtype=summary_dtype)
+            bad_pages = 0  # pages whose maintained summary differs from the keys' block min/max
+            for b, length in enumerate(lens):
+                row = int(pb.req_pool_indices[b])
+                pages = pb.req_to_token[row, :length:bs].long() // bs
+                ref_min, ref_max = block_minmax(pb.keys(b), bs)
+                bad_pages += int(((pb.kmin[pages].float() != ref_min)
+                                  | (pb.kmax[pages].float() != ref_max)).flatten(1).any(1).sum())
             q = random_values(gen, len(lens), HQ, HEAD_DIM, dtype=torch.bfloat16, device="cuda",
                               dyadic=True)
             channels = None
@@ -402,17 +437,43 @@ def run_check(args) -> bool:
                 for g in range(HKV):
                     got = pos[b, g][pos[b, g] >= 0].long().sort().values
                     bad_sets += not torch.equal(got, masks[b][g].nonzero().flatten())
+            # the selection variants pick the very same slots
+            select_args = (q, pb.k_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens)
+            slots = select_slots_batched(*select_args, pb.kmin, pb.kmax, params,
+                                         channels=channels).clone()
+            variants = {
+                "fp32-summaries": dict(kmin=pb.kmin.float(), kmax=pb.kmax.float()),
+                "unfused": dict(fuse_assemble=False),
+                "radix6": dict(topk_radix_bits=6),
+            }
+            if method != "ds" and pb.kmin.dtype == torch.bfloat16:
+                # tensor-core block scores: dyadic values make every sum exact in any order
+                variants["tc-scores"] = dict(block_score_precision="tc")
+            bad_variants = []
+            for name, kw in variants.items():
+                ws = SparseDecodeWorkspace(
+                    len(lens), HQ, HKV, HEAD_DIM, params, pb.max_blocks, "cuda", torch.bfloat16,
+                    fuse_assemble=kw.get("fuse_assemble", True),
+                    topk_radix_bits=kw.get("topk_radix_bits", 8),
+                    block_score_precision=kw.get("block_score_precision"))
+                other = select_slots_batched(*select_args, kw.get("kmin", pb.kmin),
+                                             kw.get("kmax", pb.kmax), params, channels=channels,
+                                             workspace=ws)
+                if not torch.equal(other, slots):
+                    bad_variants.append(name)
             err = (out.float() - ref.float()).abs().max().item()
-            good = err <= 2e-2 and bad_sets == 0
+            good = err <= 2e-2 and bad_sets == 0 and bad_pages == 0 and not bad_variants
             ok &= good
             print(f"[check] ours {method:9s} labels={use_channels!s:5s} max|diff|={err:.2e} "
-                  f"set mismatches={bad_sets} {'ok' if good else 'FAIL'}")
+                  f"set mismatches={bad_sets} summary mismatches={bad_pages} "
+                  f"variant mismatches={bad_variants or 0} {'ok' if good else 'FAIL'}")
 
     # baselines on a dense case: ours (L <= budget is dense) == flashinfer == triton == torch
     gen = case_generator("bench-check-dense")
     ctx = min(args.budget, 1024)
     pb = make_paged_batch(gen, [ctx] * 2, HKV, HEAD_DIM, bs, dtype=torch.bfloat16,
-                          device="cuda", max_context=ctx, summary_chunks=1)
+                          device="cuda", max_context=ctx, summary_chunks=1,
+                          summary_dtype=summary_dtype)
     q = random_values(gen, 2, HQ, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     ref = torch.stack([
         torch.nn.functional.scaled_dot_product_attention(
@@ -466,7 +527,10 @@ def _tensor_cores(args) -> bool:
 def run_benchmark(args, device: str = "cuda") -> dict:
     import torch
 
-    from sglang_ext.kernels.block_summary import update_block_summaries
+    from sglang_ext.kernels.block_summary import (
+        allocate_block_summaries,
+        update_block_summaries,
+    )
     from sglang_ext.kernels.sparse_decode import (
         SparseDecodeWorkspace,
         select_slots_batched,
@@ -496,12 +560,20 @@ def run_benchmark(args, device: str = "cuda") -> dict:
     v_buffer = torch.empty_like(k_buffer)
     k_buffer.normal_(generator=gen)
     v_buffer.normal_(generator=gen)
-    kmin = torch.empty(num_slots // bs, HKV, HEAD_DIM, dtype=torch.float32, device=dev)
-    kmax = torch.empty_like(kmin)
-    chunk = 1 << 20
-    for s in range(0, num_slots, chunk):  # every page is whole: its first slot resets it
-        e = min(s + chunk, num_slots)
-        update_block_summaries(kmin, kmax, k_buffer[s:e], torch.arange(s, e, device=dev), bs)
+    summary_names = [args.summary_dtype]
+    if args.compare_summary_dtype:
+        summary_names.append("fp32" if args.summary_dtype == "bf16" else "bf16")
+    summaries = {}  # dtype name -> (kmin, kmax)
+    for name in summary_names:
+        kmin, kmax = allocate_block_summaries(num_slots, HKV, HEAD_DIM, bs, device=dev,
+                                              dtype=getattr(torch, SUMMARY_DTYPES[name]))
+        chunk = 1 << 20
+        for s in range(0, num_slots, chunk):  # every page is whole: its first slot resets it
+            e = min(s + chunk, num_slots)
+            update_block_summaries(kmin, kmax, k_buffer[s:e], torch.arange(s, e, device=dev),
+                                   bs)
+        summaries[name] = (kmin, kmax)
+    kmin, kmax = summaries[args.summary_dtype]
     torch.cuda.synchronize()
     r = args.label_channels or HEAD_DIM
     channels = None
@@ -509,7 +581,8 @@ def run_benchmark(args, device: str = "cuda") -> dict:
         channels = torch.stack([torch.randperm(HEAD_DIM, device=dev, generator=gen)[:r]
                                 for _ in range(HKV)])
     print(f"pool: {num_slots} slots, {2 * k_buffer.numel() * 2 / 2**30:.1f} GiB K/V, "
-          f"{2 * kmin.numel() * 4 / 2**30:.2f} GiB summaries; setup {time.time() - t_start:.0f}s")
+          f"{2 * kmin.numel() * kmin.element_size() / 2**30:.2f} GiB {args.summary_dtype} "
+          f"summaries; setup {time.time() - t_start:.0f}s")
 
     timer = Timer(torch, args.warmup, args.iters, graphs=not args.no_graphs, device=dev)
     fi_workspace = torch.zeros(512 << 20, dtype=torch.uint8, device=dev)  # SGLang: 512 MB (Qwen3)
@@ -540,16 +613,20 @@ def run_benchmark(args, device: str = "cuda") -> dict:
             q = torch.randn(batch, HQ, HEAD_DIM, dtype=torch.bfloat16, device=dev, generator=gen)
             max_blocks = -(-context // bs)
 
-            def ours(impl, select_only=False):
+            def ours(impl, select_only=False, summary=args.summary_dtype,
+                     precision=block_precision):
                 ws = SparseDecodeWorkspace(batch, HQ, HKV, HEAD_DIM, params, max_blocks, dev,
                                            torch.bfloat16, topk_impl=impl,
-                                           block_score_precision=block_precision)
+                                           block_score_precision=precision,
+                                           topk_radix_bits=args.topk_radix_bits,
+                                           fuse_assemble=args.fuse_assemble)
+                lo, hi = summaries[summary]
                 if select_only:
                     return lambda: select_slots_batched(
-                        q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, kmax,
+                        q, k_buffer, req_to_token, req_pool_indices, seq_lens, lo, hi,
                         params, channels=channels, workspace=ws)
                 return lambda: sparse_decode_batched(
-                    q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, kmin, kmax,
+                    q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, lo, hi,
                     params, sm_scale, channels=channels, workspace=ws)
 
             outs = {}
@@ -557,6 +634,18 @@ def run_benchmark(args, device: str = "cuda") -> dict:
                         ("ours_select", lambda: ours(args.topk_impl, select_only=True))]
             if args.compare_topk:
                 builders.append((f"ours_{other_topk}_topk", lambda: ours(other_topk)))
+            for name in summary_names[1:]:
+                builders.append((f"ours_{name}_summaries",
+                                 lambda name=name: ours(args.topk_impl, summary=name)))
+            other_precision = args.compare_block_score_precision
+            if (other_precision not in ("none", args.block_score_precision)
+                    and params.method != "ds"
+                    and (other_precision != "tc" or args.summary_dtype == "bf16")):
+                builders.append((f"ours_{other_precision}_scores",
+                                 lambda: ours(args.topk_impl, precision=other_precision)))
+                builders.append((f"ours_{other_precision}_scores_select",
+                                 lambda: ours(args.topk_impl, select_only=True,
+                                              precision=other_precision)))
             if not args.skip_flashinfer:
                 builders.append(("flashinfer", lambda: FlashInferDecode(
                     torch, q, k_buffer, v_buffer, req_to_token, context, args.fi_page_size,
@@ -574,7 +663,8 @@ def run_benchmark(args, device: str = "cuda") -> dict:
                 timer.release()
             row.setdefault("flashinfer_ms", None)
             row.setdefault("triton_ms", None)
-            nbytes = floor_bytes(params, batch, context, r)
+            nbytes = floor_bytes(params, batch, context, r,
+                                 summary_bytes_per_value(args.summary_dtype))
             row["floor_bytes"] = nbytes
             row["floor_ms"] = nbytes / bandwidth * 1e3
             ours_ms = row["ours_ms"]
@@ -612,6 +702,10 @@ def run_benchmark(args, device: str = "cuda") -> dict:
             "label_channels": args.label_channels or "all",
             "topk_impl": args.topk_impl,
             "block_score_precision": args.block_score_precision,
+            "compare_block_score_precision": args.compare_block_score_precision,
+            "summary_dtype": args.summary_dtype,
+            "topk_radix_bits": args.topk_radix_bits,
+            "fuse_assemble": args.fuse_assemble,
             "flashinfer": {"page_size": args.fi_page_size, "layout": "NHD",
                            "use_tensor_cores": tensor_cores, "backend": "fa2"},
             "triton": {"page_size": 1, "max_kv_splits": args.triton_max_kv_splits},
@@ -620,8 +714,8 @@ def run_benchmark(args, device: str = "cuda") -> dict:
             "iters": args.iters,
             "timing": "median of CUDA-event times, L2 flushed before each call; one layer",
             "hbm_bandwidth_gbps": bandwidth / 1e9,
-            "floor": "bytes(selected K/V + fp32 summaries + label channels + indices + q/out)"
-                     " / measured d2d-copy bandwidth",
+            "floor": f"bytes(selected K/V + {args.summary_dtype} summaries + label channels"
+                     " + indices + q/out) / measured d2d-copy bandwidth",
             "versions": _versions(),
             "wall_s": time.time() - t_start,
         },
@@ -634,10 +728,14 @@ def _fmt(x, spec=".3f"):
 
 
 def _fmt_row(r) -> str:
+    variants = " ".join(f"{k[5:-3]} {_fmt(v)}" for k, v in r.items()
+                        if k.startswith("ours_") and k.endswith("_ms")
+                        and k not in ("ours_ms", "ours_select_ms"))
     return (f"ctx {r['context']:>6} bs {r['batch']:>3} | ours {_fmt(r['ours_ms'])} ms "
             f"(select {_fmt(r.get('ours_select_ms'))}) | flashinfer {_fmt(r['flashinfer_ms'])} | "
             f"triton {_fmt(r['triton_ms'])} | floor {_fmt(r['floor_ms'])} | "
-            f"x{_fmt(r['speedup_vs_flashinfer'], '.2f')} vs flashinfer")
+            f"x{_fmt(r['speedup_vs_flashinfer'], '.2f')} vs flashinfer"
+            + (f" | variants: {variants}" if variants else ""))
 
 
 def print_table(result):

@@ -1,6 +1,6 @@
 """GPU kernels (Triton) for the sparse decode path, each beside its torch reference.
 
-* ``block_summary``: per-page key min/max maintained as KV is written;
+* ``block_summary``: per-page key min/max (in the KV dtype) maintained as KV is written;
 * ``block_scores``: batched Quest block scores from the page summaries;
 * ``token_scores``: label-channel token scores inside candidate blocks (fused gather);
 * ``topk``: batched masked top-k with a fixed k per row;

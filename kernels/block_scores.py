@@ -7,17 +7,28 @@ For request ``b`` and kv head ``g``, block ``j`` (positions ``[j*bs, (j+1)*bs)``
 gathers the tile's summary rows and computes the bound as two small GEMMs
 ``[G, D] x [D, BLOCK_NB]`` over the group's query heads, then reduces over the group.
 
+The summaries are read in their stored dtype (bf16 by default: 2 bytes per value, half the
+bytes of float32 summaries; this read dominates a long-context decode step). The "fma" /
+"ieee" / "tf32x3" paths widen them to fp32 in registers; the "tc" path feeds the bf16 values
+and q straight to the tensor cores. With bf16 summaries the "fma" path issues about as many
+instructions as the bytes take to arrive (at B=32, 8 kv heads, 8192 blocks: ~2.5e8 warp
+instructions, ~0.24 ms at H200 issue rates, vs 1.07 GB at ~4.1 TB/s, ~0.26 ms); "tc" issues
+~3x fewer, leaving the kernel bandwidth bound.
+
 Blocks that are not candidates get ``-inf``: blocks at/after ``ceil(L / bs)`` and blocks with no
 middle position (all positions inside the sink ``[0, sink)`` or the window ``[L - window, L)``).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from sglang_ext.kernels.block_summary import SUMMARY_DTYPES as _SUMMARY_DTYPES
 from sglang_ext.selection.reference import quest_block_scores
 
 
@@ -47,6 +58,7 @@ def _quest_block_scores_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_NB: tl.constexpr,
     PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -68,11 +80,39 @@ def _quest_block_scores_kernel(
     dmask = d < HEAD_DIM
     summary = page[:, None] * stride_sp + g * stride_sh + d[None, :]
     smask = valid[:, None] & dmask[None, :]
-    kmax = tl.load(KMAX + summary, mask=smask, other=0.0)  # [NB, D], shared by the group
+    # [NB, D], shared by the group, in the summaries' dtype
+    kmax = tl.load(KMAX + summary, mask=smask, other=0.0)
     kmin = tl.load(KMIN + summary, mask=smask, other=0.0)
     q_base = Q + b.to(tl.int64) * stride_qb + (g * GROUP) * stride_qh
 
-    if PRECISION == "fma":
+    if PRECISION == "tc":
+        # tensor cores on the 16-bit operands as stored: q and the summaries are both bf16 (or
+        # both fp16), q+ / q- are exact in that dtype, every product is exact in fp32 and the
+        # GEMMs accumulate in fp32. [G, D] x [D, NB], G padded to 16 rows.
+        hh = tl.arange(0, GROUP_PAD)
+        hmask = hh < GROUP
+        q = tl.load(
+            q_base + hh[:, None] * stride_qh + d[None, :],
+            mask=hmask[:, None] & dmask[None, :],
+            other=0.0,
+        )
+        if INTERPRET:
+            # Triton's CPU interpreter compares and multiplies bf16 as raw integer bit patterns:
+            # the same (exact) values, widened to fp32
+            q32 = q.to(tl.float32)
+            q_pos, q_neg = tl.maximum(q32, 0.0), tl.minimum(q32, 0.0)
+            kmax, kmin = kmax.to(tl.float32), kmin.to(tl.float32)
+        else:
+            zero = tl.zeros_like(q)
+            q_pos = tl.where(q > zero, q, zero)  # stays 16-bit (packed max/min), exact
+            q_neg = tl.where(q < zero, q, zero)
+        bound = tl.dot(q_pos, tl.trans(kmax))
+        bound = tl.dot(q_neg, tl.trans(kmin), acc=bound)
+        bound = tl.where(hmask[:, None], bound, float("-inf"))  # [GP, NB]
+        score = tl.max(bound, axis=0)
+    elif PRECISION == "fma":
+        kmax = kmax.to(tl.float32)  # bf16/fp16 summaries are widened to fp32 in registers
+        kmin = kmin.to(tl.float32)
         # small groups: one multiply-add pass per query head (no padding of the group to 16)
         score = tl.full([BLOCK_NB], float("-inf"), tl.float32)
         for hh in tl.static_range(GROUP):
@@ -90,6 +130,8 @@ def _quest_block_scores_kernel(
             mask=hmask[:, None] & dmask[None, :],
             other=0.0,
         ).to(tl.float32)
+        kmax = kmax.to(tl.float32)
+        kmin = kmin.to(tl.float32)
         bound = tl.dot(tl.maximum(q, 0.0), tl.trans(kmax), input_precision=PRECISION)
         bound = tl.dot(tl.minimum(q, 0.0), tl.trans(kmin), acc=bound, input_precision=PRECISION)
         bound = tl.where(hmask[:, None], bound, float("-inf"))  # [GP, NB]
@@ -111,21 +153,31 @@ def quest_block_scores_batched(
     max_blocks: int,
     out: Tensor | None = None,
     precision: str | None = None,
+    block_nb: int | None = None,
 ) -> Tensor:
     """Quest block scores of every request of a decode batch: float32 ``[B, Hkv, max_blocks]``.
 
-    ``q`` ``[B, Hq, D]``; ``kmin``/``kmax`` float32 ``[num_pages, Hkv, D]`` (page = slot //
-    block_size); ``req_to_token`` int32 ``[rows, max_context]``; ``req_pool_indices`` ``[B]``;
-    ``seq_lens`` ``[B]`` (the current token included). ``precision`` picks how the bound is
-    computed: "ieee" (fp32 GEMMs on FMA units: exact fp32 products, so the top-k agrees with
-    the fp32 reference), "tf32x3" (GEMMs on tensor cores, near-fp32), or "fma" (one
-    multiply-add pass per query head, no padding of the group to tl.dot's 16 rows); None =
-    "fma" for groups smaller than 8 query heads, "ieee" otherwise.
+    ``q`` ``[B, Hq, D]``; ``kmin``/``kmax`` ``[num_pages, Hkv, D]`` (page = slot //
+    block_size) in bf16, fp16 or float32, read in their dtype (2 bytes per value for bf16);
+    ``req_to_token`` int32 ``[rows, max_context]``; ``req_pool_indices`` ``[B]``; ``seq_lens``
+    ``[B]`` (the current token included). ``precision`` picks how the bound is computed:
+    "ieee" (fp32 GEMMs on FMA units: exact fp32 products, so the top-k agrees with the fp32
+    reference), "tf32x3" (GEMMs on tensor cores, near-fp32), "fma" (one multiply-add pass per
+    query head, no padding of the group to tl.dot's 16 rows), or "tc" (bf16/fp16 GEMMs on
+    tensor cores straight from the stored operands: needs q and the summaries in the same
+    16-bit dtype; products are exact, sums are fp32 in the tensor cores' order, and it issues
+    several times fewer instructions per summary byte than "fma", whose instruction count
+    rivals the bf16 summaries' bytes at large batch); None = "fma" for groups smaller than 8
+    query heads, "ieee" otherwise. ``block_nb``: blocks per program (default: 64 for 2-byte
+    summaries with "fma"/"tc", otherwise 32).
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = kmin.shape[1]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    if kmin.dtype not in _SUMMARY_DTYPES or kmax.dtype != kmin.dtype:
+        raise TypeError(f"kmin/kmax must share one of {_SUMMARY_DTYPES}, got {kmin.dtype}, "
+                        f"{kmax.dtype}")
     if kmin.stride(2) != 1 or kmax.stride() != kmin.stride():
         raise ValueError("kmin/kmax must share a layout with contiguous rows")
     if q.stride(2) != 1:
@@ -133,14 +185,23 @@ def quest_block_scores_batched(
     group = num_q_heads // num_kv_heads
     if precision is None:
         precision = "fma" if group < 8 else "ieee"
-    if precision not in ("ieee", "tf32x3", "fma"):
-        raise ValueError(f"precision must be ieee, tf32x3 or fma, got {precision!r}")
+    if precision not in ("ieee", "tf32x3", "fma", "tc"):
+        raise ValueError(f"precision must be ieee, tf32x3, fma or tc, got {precision!r}")
+    if precision == "tc" and not (q.dtype == kmin.dtype and q.dtype in (torch.bfloat16,
+                                                                         torch.float16)):
+        raise TypeError(f"precision 'tc' needs q and the summaries in one 16-bit dtype, got "
+                        f"{q.dtype} and {kmin.dtype}")
     if out is None:
         out = torch.empty(batch, num_kv_heads, max_blocks, dtype=torch.float32, device=q.device)
     if batch == 0 or max_blocks == 0:
         return out
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_nb = min(32, max(16, triton.next_power_of_2(max_blocks)))
+    if block_nb is None:
+        # 16 KB of each summary tensor per program (the measured float32 configuration); for
+        # 2-byte summaries that also means fewer instructions per block (SASS: fma 120 vs 148
+        # warp-instructions per block at 64 vs 32 blocks; tc 39).
+        block_nb = 64 if kmin.element_size() == 2 and precision in ("fma", "tc") else 32
+    block_nb = min(block_nb, max(16, triton.next_power_of_2(max_blocks)))
     grid = (batch, num_kv_heads, triton.cdiv(max_blocks, block_nb))
     _quest_block_scores_kernel[grid](
         q,
@@ -167,7 +228,8 @@ def quest_block_scores_batched(
         BLOCK_D=block_d,
         BLOCK_NB=block_nb,
         PRECISION=precision,
-        num_warps=8 if block_nb * block_d >= 4096 else 4,
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=4 if precision == "tc" or block_nb * block_d < 4096 else 8,
     )
     return out
 

@@ -2,15 +2,34 @@
 
 Pages coincide with selection blocks (``page_size == block_size``): position ``p`` of a request
 lives in slot ``req_to_token[row, p]`` and ``slot % page_size == p % page_size``, so a block's
-summary is the summary of its page. The summaries of one layer are two float32 tensors
-``kmin``/``kmax`` of shape ``[num_pages, Hkv, D]``.
+summary is the summary of its page. The summaries of one layer are two tensors ``kmin``/``kmax``
+of shape ``[num_pages, Hkv, D]`` in the KV dtype (bf16 by default; fp16 and float32 work too):
+the min/max of bf16 keys are bf16 values, so storing them in bf16 is exact and halves the bytes
+the block scoring reads (the dominant read of a long-context decode step) compared to float32.
 
 ``update_block_summaries`` is called with every batch of keys written to the pool (prefill
 chunks, decode tokens): a page whose first slot is written in this call starts clean (a freed
 page can be handed to a new request, and its old summary must not leak into the new one); all
 other writes fold into the page's running min/max, so a chunk boundary inside a page just
-continues the page. Two launches, no host sync: (1) reset the pages whose first slot is written,
-(2) fold every written key in with float atomic min/max (exact, order independent).
+continues the page.
+
+The update is exact and atomic-free (bf16 has no atomic min/max), which relies on how SGLang
+allocates and writes pages: **within one call, the keys that land in one page are consecutive
+entries of** ``loc`` (a request's extend chunk is contiguous in positions and page aligned,
+decode writes one token per request, two requests never write the same page; slots are distinct
+except for the padding slot 0, see below). A *run* is a maximal stretch of consecutive ``loc``
+entries on one page, so it holds at most ``page_size`` tokens and each page has at most one run
+per call. One launch: one program per (token, channel tile); the program of a run's first token
+(the first token of the call, or one whose page differs from the previous token's) reduces the
+run and either overwrites the page's summary (the run contains the page's first slot,
+``slot % page_size == 0``) or folds into it; every other program does nothing. Each page is
+written by exactly one program, so there are no races and the result is order independent.
+No host sync: safe inside a CUDA graph.
+
+If the precondition is broken (one page's writes split into several runs of one call), two
+programs may write the same page and the result is undefined. SGLang's CUDA-graph padding writes
+slot 0 (the padding page, never read by a real request) several times in a row: that forms one
+run (its first ``page_size`` entries are used), which is harmless.
 """
 
 from __future__ import annotations
@@ -20,69 +39,85 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+SUMMARY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
 
 @triton.jit
-def _reset_pages_kernel(
+def _update_runs_kernel(
     KMIN,
     KMAX,
+    K,
     LOC,
+    num_tokens,
     stride_page,
+    stride_kn,
+    stride_kh,
     PAGE_SIZE: tl.constexpr,
+    RUN: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     HD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     n = tl.program_id(0)
     slot = tl.load(LOC + n).to(tl.int64)
-    first = (slot % PAGE_SIZE) == 0
     page = slot // PAGE_SIZE
+    prev = tl.load(LOC + n - 1, mask=n > 0, other=0).to(tl.int64)
+    start = (n == 0) | ((prev // PAGE_SIZE) != page)
+
+    # The run: the entries n, n+1, ... (at most PAGE_SIZE) up to the first one on another page.
+    i = tl.arange(0, RUN)
+    idx = n + i
+    in_call = start & (i < PAGE_SIZE) & (idx < num_tokens)
+    slots = tl.load(LOC + idx, mask=in_call, other=0).to(tl.int64)
+    same = in_call & ((slots // PAGE_SIZE) == page)
+    run_len = tl.min(tl.where(same, RUN, i), axis=0)  # index of the first entry off the page
+    run = i < run_len
+    reset = tl.max((run & ((slots % PAGE_SIZE) == 0)).to(tl.int32), axis=0) > 0
+
+    # [RUN, BLOCK] tile of the run's keys over a slice of the page's Hkv*D channels.
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = (offs < HD) & first
-    inf = tl.full([BLOCK], float("inf"), tl.float32)
-    tl.store(KMIN + page * stride_page + offs, inf, mask=mask)
-    tl.store(KMAX + page * stride_page + offs, -inf, mask=mask)
-
-
-@triton.jit
-def _fold_keys_kernel(
-    KMIN,
-    KMAX,
-    K,
-    LOC,
-    stride_page,
-    stride_kn,
-    stride_kh,
-    PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    NUM_HEADS: tl.constexpr,
-):
-    # The summary rows are [Hkv, D] contiguous; k_new may be a strided view.
-    n = tl.program_id(0)
-    slot = tl.load(LOC + n).to(tl.int64)
-    page = slot // PAGE_SIZE
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    mask = (h[:, None] < NUM_HEADS) & (d[None, :] < HEAD_DIM)
-    k = tl.load(K + n.to(tl.int64) * stride_kn + h[:, None] * stride_kh + d[None, :], mask=mask)
+    cmask = offs < HD
+    head = offs // HEAD_DIM
+    dim = offs % HEAD_DIM
+    kmask = run[:, None] & cmask[None, :]
+    k_ptr = K + idx.to(tl.int64)[:, None] * stride_kn + head[None, :] * stride_kh + dim[None, :]
+    k = tl.load(k_ptr, mask=kmask, other=0.0)
+    # Keys are in the summary dtype, or the summaries are fp32 (the wrapper rounds other keys
+    # first): the fp32 reduction is exact and so is the store in the summary dtype.
     k = k.to(tl.float32)
-    dst = page * stride_page + h[:, None] * HEAD_DIM + d[None, :]
-    tl.atomic_min(KMIN + dst, k, mask=mask, sem="relaxed")
-    tl.atomic_max(KMAX + dst, k, mask=mask, sem="relaxed")
+    run_min = tl.min(tl.where(kmask, k, float("inf")), axis=0)
+    run_max = tl.max(tl.where(kmask, k, float("-inf")), axis=0)
+
+    dst = page * stride_page + offs
+    wmask = cmask & start
+    fold = wmask & (reset == 0)  # reset: overwrite, do not read the stale summary
+    old_min = tl.load(KMIN + dst, mask=fold, other=float("inf")).to(tl.float32)
+    old_max = tl.load(KMAX + dst, mask=fold, other=float("-inf")).to(tl.float32)
+    new_min = tl.minimum(old_min, run_min)
+    new_max = tl.maximum(old_max, run_max)
+    tl.store(KMIN + dst, new_min.to(KMIN.dtype.element_ty), mask=wmask)
+    tl.store(KMAX + dst, new_max.to(KMAX.dtype.element_ty), mask=wmask)
 
 
 def update_block_summaries(
     kmin: Tensor, kmax: Tensor, k_new: Tensor, loc: Tensor, page_size: int
 ) -> None:
     """Fold the keys ``k_new`` ``[N, Hkv, D]`` written at slots ``loc`` ``[N]`` into the
-    per-page summaries ``kmin``/``kmax`` (float32 ``[num_pages, Hkv, D]``, updated in place).
+    per-page summaries ``kmin``/``kmax`` (``[num_pages, Hkv, D]``, bf16 / fp16 / float32, both
+    the same dtype; updated in place). Keys wider than the summaries are first rounded to the
+    summaries' dtype (round to nearest even; min/max commute with it).
 
-    A page whose first slot (``slot % page_size == 0``) is in ``loc`` is reset first. Slots
-    must be distinct within a call (as SGLang's ``out_cache_loc`` is). Launch-only: no host
-    sync, safe to call inside a CUDA graph.
+    A page whose first slot (``slot % page_size == 0``) is in ``loc`` starts clean; other pages
+    fold the new keys into their running min/max.
+
+    Precondition (see the module docstring): within the call, the entries of ``loc`` on one page
+    are consecutive (as SGLang's ``out_cache_loc`` is: per request, contiguous positions;
+    requests never share a page being written). Launch-only: no host sync, safe to call inside a
+    CUDA graph.
     """
-    if kmin.dtype != torch.float32 or kmax.dtype != torch.float32:
-        raise TypeError("kmin/kmax must be float32")
+    if kmin.dtype not in SUMMARY_DTYPES or kmax.dtype != kmin.dtype:
+        raise TypeError(f"kmin/kmax must share one of {SUMMARY_DTYPES}, got {kmin.dtype}, "
+                        f"{kmax.dtype}")
     if kmin.shape != kmax.shape or kmin.dim() != 3:
         raise ValueError(
             f"kmin/kmax must both be [num_pages, Hkv, D], got {kmin.shape}, {kmax.shape}"
@@ -95,6 +130,11 @@ def update_block_summaries(
     num_heads, head_dim = kmin.shape[1], kmin.shape[2]
     if tuple(k_new.shape[1:]) != (num_heads, head_dim):
         raise ValueError(f"k_new {tuple(k_new.shape)} does not match summaries {tuple(kmin.shape)}")
+    if k_new.dtype != kmin.dtype and kmin.dtype != torch.float32:
+        # Narrowing (e.g. fp32 keys into bf16 summaries): round with torch, so the rounding is
+        # torch's round-to-nearest-even everywhere (Triton's CPU interpreter truncates). Not
+        # needed when the summaries are in the KV dtype, the normal case.
+        k_new = k_new.to(kmin.dtype)
     if k_new.stride(2) != 1:
         k_new = k_new.contiguous()
     loc = loc.reshape(-1)
@@ -102,47 +142,60 @@ def update_block_summaries(
         raise ValueError(f"loc has {loc.shape[0]} entries for {num_tokens} keys")
 
     hd = num_heads * head_dim
-    block = min(1024, triton.next_power_of_2(hd))
-    _reset_pages_kernel[(num_tokens, triton.cdiv(hd, block))](
-        kmin, kmax, loc, kmin.stride(0), PAGE_SIZE=page_size, HD=hd, BLOCK=block
-    )
-    block_d = triton.next_power_of_2(head_dim)
-    block_h = max(1, min(triton.next_power_of_2(num_heads), 2048 // block_d))
-    _fold_keys_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+    run = triton.next_power_of_2(page_size)
+    # Keep the key tile around 4K elements per program (e.g. 16 tokens x 256 channels).
+    block = min(triton.next_power_of_2(hd), max(16, 4096 // run))
+    _update_runs_kernel[(num_tokens, triton.cdiv(hd, block))](
         kmin,
         kmax,
         k_new,
         loc,
+        num_tokens,
         kmin.stride(0),
         k_new.stride(0),
         k_new.stride(1),
         PAGE_SIZE=page_size,
+        RUN=run,
         HEAD_DIM=head_dim,
-        BLOCK_H=block_h,
-        BLOCK_D=block_d,
-        NUM_HEADS=num_heads,
+        HD=hd,
+        BLOCK=block,
+        num_warps=4,
     )
 
 
 def update_block_summaries_ref(
     kmin: Tensor, kmax: Tensor, k_new: Tensor, loc: Tensor, page_size: int
 ) -> None:
-    """Plain-torch reference of :func:`update_block_summaries` (same in-place contract)."""
+    """Plain-torch reference of :func:`update_block_summaries` (same in-place contract; it does
+    not need the consecutive-runs precondition)."""
     loc = loc.reshape(-1).long()
     pages = loc // page_size
     first = pages[loc % page_size == 0]
-    kmin[first] = float("inf")
-    kmax[first] = float("-inf")
-    flat = k_new.float().reshape(k_new.shape[0], -1)
-    kmin.view(kmin.shape[0], -1).index_reduce_(0, pages, flat, "amin", include_self=True)
-    kmax.view(kmax.shape[0], -1).index_reduce_(0, pages, flat, "amax", include_self=True)
+    lo, hi = kmin.float(), kmax.float()  # exact: the summaries' values are representable
+    lo[first] = float("inf")
+    hi[first] = float("-inf")
+    flat = k_new.to(kmin.dtype).float().reshape(k_new.shape[0], -1)
+    lo.view(lo.shape[0], -1).index_reduce_(0, pages, flat, "amin", include_self=True)
+    hi.view(hi.shape[0], -1).index_reduce_(0, pages, flat, "amax", include_self=True)
+    kmin.copy_(lo)
+    kmax.copy_(hi)
 
 
 def allocate_block_summaries(
-    num_slots: int, num_kv_heads: int, head_dim: int, page_size: int, device=None
+    num_slots: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    device=None,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[Tensor, Tensor]:
-    """Empty (+inf / -inf) summaries for a pool of ``num_slots`` slots: ``(kmin, kmax)``."""
+    """Empty (+inf / -inf) summaries for a pool of ``num_slots`` slots: ``(kmin, kmax)`` of
+    ``dtype`` (use the KV dtype: bf16 / fp16 are exact for keys of that dtype; float32 for
+    anything else)."""
+    if dtype not in SUMMARY_DTYPES:
+        raise TypeError(f"summary dtype must be one of {SUMMARY_DTYPES}, got {dtype}")
     num_pages = -(-num_slots // page_size)
-    kmin = torch.full((num_pages, num_kv_heads, head_dim), float("inf"), device=device)
-    kmax = torch.full((num_pages, num_kv_heads, head_dim), float("-inf"), device=device)
+    shape = (num_pages, num_kv_heads, head_dim)
+    kmin = torch.full(shape, float("inf"), dtype=dtype, device=device)
+    kmax = torch.full(shape, float("-inf"), dtype=dtype, device=device)
     return kmin, kmax

@@ -15,8 +15,13 @@
    * ds: top ``n_sel`` tokens of the whole middle by label score (two_level with every block a
      candidate: ``token_scores`` + ``topk``);
 2. positions are mapped to KV-pool slots through ``req_to_token`` (this file's kernel, which
-   also assembles the slot list);
+   also assembles the slot list; by default it runs in the same kernel as the last top-k, one
+   program per (request, kv head), which saves a launch and the round trip of the top-k
+   indices);
 3. ``sparse_attention`` over the slots (split-KV + LSE merge).
+
+Launches per step: two_level 4 for the selection (block scores, block top-k, token scores,
+token top-k + assembly) + 2 for the attention; quest 2 + 2; ds 2 + 2.
 
 Every shape depends only on (B, budget, max_blocks) and the static params: no ``.item()``, no
 host sync, no data-dependent Python control flow, so it can be captured in a CUDA graph. Scratch
@@ -39,7 +44,7 @@ from sglang_ext.kernels.sparse_attention import (
     split_layout,
 )
 from sglang_ext.kernels.token_scores import label_token_scores_batched
-from sglang_ext.kernels.topk import topk_masked
+from sglang_ext.kernels.topk import _topk_row, topk_launch_config, topk_masked
 from sglang_ext.selection.reference import (
     SelectionParams,
     select_token_mask,
@@ -54,7 +59,10 @@ _MODE_ALL_TOKENS = 3  # ds: top indices are positions
 
 
 @triton.jit
-def _assemble_slots_kernel(
+def _assemble_tile(
+    b,
+    g,
+    j,
     REQ_TO_TOKEN,
     REQ_POOL_INDICES,
     SEQ_LENS,
@@ -77,14 +85,10 @@ def _assemble_slots_kernel(
     BLOCK_SIZE: tl.constexpr,
     NUM_TOP: tl.constexpr,
     MODE: tl.constexpr,
-    BLOCK: tl.constexpr,
     WRITE_POS: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
-    j = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    """Slots ``j`` (a vector of slot-list indices) of (request ``b``, kv head ``g``)."""
     in_budget = j < BUDGET
-
     row = tl.load(REQ_POOL_INDICES + b).to(tl.int64)
     seq_len = tl.load(SEQ_LENS + b).to(tl.int64)
     hi = seq_len - WINDOW  # the middle is [SINK, hi)
@@ -131,6 +135,99 @@ def _assemble_slots_kernel(
         tl.store(POSITIONS + b * stride_pb + g * stride_pg + j, pos.to(tl.int32), mask=in_budget)
 
 
+@triton.jit
+def _assemble_slots_kernel(
+    REQ_TO_TOKEN,
+    REQ_POOL_INDICES,
+    SEQ_LENS,
+    TOP,
+    CAND,
+    SLOTS,
+    POSITIONS,
+    stride_r2t,
+    stride_tb,
+    stride_tg,
+    stride_cb,
+    stride_cg,
+    stride_sb,
+    stride_sg,
+    stride_pb,
+    stride_pg,
+    BUDGET: tl.constexpr,
+    SINK: tl.constexpr,
+    WINDOW: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_TOP: tl.constexpr,
+    MODE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    WRITE_POS: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    j = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    _assemble_tile(
+        b, g, j, REQ_TO_TOKEN, REQ_POOL_INDICES, SEQ_LENS, TOP, CAND, SLOTS, POSITIONS,
+        stride_r2t, stride_tb, stride_tg, stride_cb, stride_cg, stride_sb, stride_sg, stride_pb,
+        stride_pg, BUDGET, SINK, WINDOW, BLOCK_SIZE, NUM_TOP, MODE, WRITE_POS,
+    )
+
+
+@triton.jit
+def _topk_assemble_kernel(
+    SCORES,
+    REQ_TO_TOKEN,
+    REQ_POOL_INDICES,
+    SEQ_LENS,
+    TOP,
+    CAND,
+    SLOTS,
+    POSITIONS,
+    stride_scb,
+    stride_scg,
+    stride_r2t,
+    stride_tb,
+    stride_tg,
+    stride_cb,
+    stride_cg,
+    stride_sb,
+    stride_sg,
+    stride_pb,
+    stride_pg,
+    BUDGET: tl.constexpr,
+    SINK: tl.constexpr,
+    WINDOW: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_TOP: tl.constexpr,
+    MODE: tl.constexpr,
+    ASM_BLOCK: tl.constexpr,
+    WRITE_POS: tl.constexpr,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    OUT_BLOCK: tl.constexpr,
+    RESIDENT: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
+    EARLY_EXIT: tl.constexpr,
+):
+    """The last top-k of the selection and the slot assembly of its row, in one program per
+    (request, kv head): the winners go to TOP (global scratch, re-read from L1/L2 after a CTA
+    barrier) and the row's whole slot list is written from them."""
+    b = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    _topk_row(
+        SCORES + b * stride_scb + g * stride_scg, TOP + b * stride_tb + g * stride_tg,
+        N, K, BLOCK, OUT_BLOCK, RESIDENT, RADIX_BITS, EARLY_EXIT,
+    )
+    tl.debug_barrier()  # the row's winners, written by all threads, are visible to all
+    for t in tl.static_range((BUDGET + ASM_BLOCK - 1) // ASM_BLOCK):
+        j = t * ASM_BLOCK + tl.arange(0, ASM_BLOCK)
+        _assemble_tile(
+            b, g, j, REQ_TO_TOKEN, REQ_POOL_INDICES, SEQ_LENS, TOP, CAND, SLOTS, POSITIONS,
+            stride_r2t, stride_tb, stride_tg, stride_cb, stride_cg, stride_sb, stride_sg,
+            stride_pb, stride_pg, BUDGET, SINK, WINDOW, BLOCK_SIZE, NUM_TOP, MODE, WRITE_POS,
+        )
+
+
 def _selection_plan(params: SelectionParams, max_blocks: int) -> tuple[int, int, int]:
     """(mode, k of the block top-k (0 = none), k of the token top-k (0 = none))."""
     n_sel = params.budget - params.sink - params.window
@@ -154,8 +251,10 @@ class SparseDecodeWorkspace:
     intermediate at a fixed address, which CUDA-graph replays need. The output returned by
     :func:`sparse_decode_batched` is a view of ``self.out``: it is overwritten by the next call.
     ``max_blocks`` (static) must cover the longest request: ``ceil(max_context / block_size)``
-    (blocks past it are never scored). ``topk_impl`` ("triton" / "torch") and
-    ``block_score_precision`` pick the variants of :mod:`topk` and :mod:`block_scores`.
+    (blocks past it are never scored). ``topk_impl`` ("triton" / "torch"),
+    ``topk_radix_bits`` and ``block_score_precision`` pick the variants of :mod:`topk` and
+    :mod:`block_scores`. ``fuse_assemble`` (Triton top-k only) runs the last top-k and the
+    slot assembly as one kernel (one launch less per step); False keeps them separate.
     """
 
     def __init__(
@@ -171,6 +270,8 @@ class SparseDecodeWorkspace:
         num_splits: int | None = None,
         topk_impl: str = "triton",
         block_score_precision: str | None = None,
+        topk_radix_bits: int = 8,
+        fuse_assemble: bool = True,
     ) -> None:
         if num_q_heads % num_kv_heads:
             raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
@@ -185,6 +286,8 @@ class SparseDecodeWorkspace:
         self.num_splits = num_splits
         self.topk_impl = topk_impl
         self.block_score_precision = block_score_precision
+        self.topk_radix_bits = topk_radix_bits
+        self.fuse_assemble = fuse_assemble and topk_impl == "triton"
         self.mode, self.k_blocks, self.k_tokens = _selection_plan(params, max_blocks)
 
         bs = params.block_size
@@ -261,6 +364,16 @@ def select_slots_batched(
             channels = channels.contiguous()
 
     top, cand = ws.slots, ws.slots  # dummies for unused pointers
+    final = None  # (scores, k, out) of the last top-k when it is fused with the assembly
+
+    def run_topk(scores, k, out, last):
+        nonlocal final
+        if last and ws.fuse_assemble:
+            final = (scores, k, out)
+            return out
+        return topk_masked(scores, k, out=out, impl=ws.topk_impl,
+                           radix_bits=ws.topk_radix_bits)
+
     if ws.k_blocks:
         if kmin is None or kmax is None:
             raise ValueError(f"{params.method} needs the block summaries kmin/kmax")
@@ -269,7 +382,7 @@ def select_slots_batched(
             params.sink, params.window, ws.max_blocks, out=ws.block_scores[:batch],
             precision=ws.block_score_precision,
         )
-        top = cand = topk_masked(scores, ws.k_blocks, out=ws.top_blocks[:batch], impl=ws.topk_impl)
+        top = cand = run_topk(scores, ws.k_blocks, ws.top_blocks[:batch], not ws.k_tokens)
     if ws.k_tokens:
         tok_scores, _ = label_token_scores_batched(
             q, k_buffer, req_to_token, req_pool_indices, seq_lens,
@@ -277,22 +390,33 @@ def select_slots_batched(
             channels=channels, num_blocks=ws.max_blocks, scores_out=ws.token_scores[:batch],
             return_positions=False,
         )
-        top = topk_masked(tok_scores, ws.k_tokens, out=ws.top_tokens[:batch], impl=ws.topk_impl)
+        top = run_topk(tok_scores, ws.k_tokens, ws.top_tokens[:batch], True)
 
     slots = ws.slots[:batch]
     positions = ws.positions[:batch]
-    block = min(1024, triton.next_power_of_2(params.budget))
-    grid = (batch, num_kv_heads, triton.cdiv(params.budget, block))
     if batch:
-        _assemble_slots_kernel[grid](
+        common = (
             req_to_token, req_pool_indices, seq_lens, top, cand, slots, positions,
             req_to_token.stride(0), top.stride(0), top.stride(1), cand.stride(0),
             cand.stride(1), slots.stride(0), slots.stride(1), positions.stride(0),
             positions.stride(1),
+        )
+        consts = dict(
             BUDGET=params.budget, SINK=params.sink, WINDOW=params.window, BLOCK_SIZE=bs,
             NUM_TOP=ws.k_blocks if ws.mode == _MODE_BLOCKS else ws.k_tokens, MODE=ws.mode,
-            BLOCK=block, WRITE_POS=return_positions, num_warps=4,
+            WRITE_POS=return_positions,
         )
+        block = min(1024, triton.next_power_of_2(params.budget))
+        if final is None:
+            grid = (batch, num_kv_heads, triton.cdiv(params.budget, block))
+            _assemble_slots_kernel[grid](*common, BLOCK=block, num_warps=4, **consts)
+        else:
+            fscores, k, _ = final
+            _topk_assemble_kernel[(batch, num_kv_heads)](
+                fscores, *common[:7], fscores.stride(0), fscores.stride(1), *common[7:],
+                ASM_BLOCK=block, EARLY_EXIT=True, **consts,
+                **topk_launch_config(fscores.shape[-1], k, ws.topk_radix_bits),
+            )
     return (slots, positions) if return_positions else slots
 
 

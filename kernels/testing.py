@@ -54,7 +54,7 @@ class PagedBatch:
     req_pool_indices: Tensor  # int64 [B]
     seq_lens: Tensor  # int32 [B]
     page_size: int
-    kmin: Tensor | None = None  # float32 [num_pages, Hkv, D]
+    kmin: Tensor | None = None  # [num_pages, Hkv, D], the KV dtype unless asked otherwise
     kmax: Tensor | None = None
     lens: list[int] = field(default_factory=list)
 
@@ -85,12 +85,13 @@ def make_paged_batch(
     summary_chunks: int = 3,
     dyadic: bool = False,
     spare_pages: int = 5,
+    summary_dtype: torch.dtype | None = None,
 ) -> PagedBatch:
     """A batch of requests of lengths ``lens`` (``seq_len`` includes the current token, whose
     k/v is written), with block summaries built by :func:`update_block_summaries` from the KV
     written in ``summary_chunks`` rounds (each round writes a random-length chunk of every
     request in one call, so chunk boundaries fall inside pages). ``summary_chunks=0`` skips
-    the summaries."""
+    the summaries. The summaries are in ``summary_dtype`` (default: the KV ``dtype``)."""
     bs = page_size
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     batch = len(lens)
@@ -147,7 +148,9 @@ def make_paged_batch(
     kmin = torch.randn(num_pages, num_kv_heads, head_dim, generator=gen) - 5
     kmax = torch.randn(num_pages, num_kv_heads, head_dim, generator=gen) + 5
     kmin[TRAP_PAGE], kmax[TRAP_PAGE] = -TRAP * 4, TRAP * 4
-    kmin, kmax = kmin.to(device), kmax.to(device)
+    summary_dtype = dtype if summary_dtype is None else summary_dtype
+    kmin = kmin.to(device=device, dtype=summary_dtype)
+    kmax = kmax.to(device=device, dtype=summary_dtype)
     cuts = []
     for length in lens:
         inner = torch.randperm(max(length - 1, 0), generator=gen)[: summary_chunks - 1] + 1

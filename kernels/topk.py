@@ -7,12 +7,16 @@ than ``k`` finite entries get ``-1`` in the remaining slots. ``-inf`` entries ne
 Two implementations:
 
 * ``impl="triton"`` (default): one program per row runs an exact radix select on the
-  order-preserving 32-bit key of each score (4 passes of 8-bit digits, ``tl.histogram``), then
+  order-preserving 32-bit key of each score (4 passes of 8-bit digits, ``tl.histogram``; a
+  pass is skipped once the k-th value's bucket is taken whole, usually the last one for
+  continuous scores; the digit width is selectable), then
   one compaction pass writes the winners **in ascending index order**, ``-1`` padding at the
   end. Ties at the k-th value go to the lower index, exactly like the reference's
   ``_top_k_mask``, so the selected set matches the oracle bit for bit even with tied scores.
-  Rows up to ``_MAX_RESIDENT`` entries are loaded once and kept in registers for all passes;
-  longer rows (DS over a whole long context) stream from memory each pass (5 reads per row).
+  Rows up to ``_MAX_RESIDENT`` (8192: the block top-k of a 128k context at block size 16)
+  entries are loaded once and kept in registers for all passes; longer rows (DS over a whole
+  long context) stream from memory each pass (5 reads per row). Each pass is one histogram,
+  one scan and one reduction; the compaction is one scan (two counts packed in one int32).
 * ``impl="torch"``: ``torch.topk(sorted=False)`` + masking of the ``-inf`` winners. It is
   graph-capturable and needs no host sync, but its tie-breaking is unspecified and its output
   order is arbitrary (``-1`` may sit anywhere).
@@ -30,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-_MAX_RESIDENT = 4096  # rows up to this length are kept in registers across the passes
+_MAX_RESIDENT = 8192  # rows up to this length are kept in registers across the passes
 _STREAM_BLOCK = 2048
 
 
@@ -43,14 +47,126 @@ def _sortable_key(x):
 
 
 @triton.jit
-def _pick_bucket(hist, remaining):
-    """The largest digit ``d`` with count(digit >= d) >= remaining, and count(digit > d)."""
-    bins = tl.arange(0, 256)
-    total = tl.sum(hist, axis=0)
-    at_least = total - tl.cumsum(hist, axis=0) + hist
-    bucket = tl.max(tl.where(at_least >= remaining, bins, 0), axis=0)
-    above = tl.sum(tl.where(bins > bucket, hist, 0), axis=0)
-    return bucket, above
+def _pick_bucket(hist, remaining, NUM_BINS: tl.constexpr):
+    """For the digit histogram ``hist``: the largest digit ``d`` with count(digit >= d) >=
+    remaining, count(digit > d) and count(digit == d).
+
+    One scan and one reduction: ``at_least[d] = count(digit >= d)`` does not increase with
+    ``d``, so the bucket is the largest ``d`` with ``at_least[d] >= remaining``; a max over
+    ``(d << 48) | (at_least[d] << 24) | hist[d]`` where ``at_least[d] >= remaining`` gives all
+    three (counts < 2**24, checked by the wrapper)."""
+    bins = tl.arange(0, NUM_BINS).to(tl.int64)
+    at_least = tl.cumsum(hist, axis=0, reverse=True)
+    packed = (bins << 48) | (at_least.to(tl.int64) << 24) | hist.to(tl.int64)
+    best = tl.max(tl.where(at_least >= remaining, packed, -1), axis=0)
+    bucket = (best >> 48).to(tl.int32)
+    in_bucket = (best & 0xFFFFFF).to(tl.int32)
+    above = ((best >> 24) & 0xFFFFFF).to(tl.int32) - in_bucket
+    return bucket, above, in_bucket
+
+
+@triton.jit
+def _topk_row(
+    src,
+    dst,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    OUT_BLOCK: tl.constexpr,
+    RESIDENT: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
+    EARLY_EXIT: tl.constexpr,
+):
+    """The top-k of one row: ``dst[0:K]`` = the winners' indices into ``src[0:N]`` in
+    ascending order, ``-1`` padded (the whole program works on this row)."""
+    offs0 = tl.arange(0, BLOCK)
+    NUM_BINS: tl.constexpr = 1 << RADIX_BITS
+    NUM_PASSES: tl.constexpr = (32 + RADIX_BITS - 1) // RADIX_BITS
+
+    if RESIDENT:
+        x_res = tl.load(src + offs0, mask=offs0 < N, other=float("-inf"))
+        valid_res = x_res > float("-inf")  # NaN is never selected either
+        u_res = _sortable_key(x_res)
+
+    # ---- radix select: find the exact key T of the k-th largest finite entry ----------------
+    # Digits of RADIX_BITS bits from the top (the last one may be narrower). After each pass,
+    # ``prefix`` holds the digits of T found so far and ``remaining`` how many winners share
+    # them. If the chosen bucket is taken whole (its count == remaining), T is ``prefix``
+    # itself (lower bits 0) with every entry >= T a winner: the remaining passes are skipped.
+    prefix = tl.zeros([], tl.int32)
+    remaining = tl.zeros([], tl.int32)
+    k_eff = tl.zeros([], tl.int32)
+    done = tl.zeros([], tl.int32)
+    for d in tl.static_range(NUM_PASSES):
+        # compile-time per pass: bits >= hi are fixed by ``prefix``; the digit is [shift, hi)
+        hi = 32 - RADIX_BITS * d
+        shift = hi - RADIX_BITS if hi > RADIX_BITS else 0
+        digit_mask = (1 << (hi - shift)) - 1
+        prefix_mask = 0 if d == 0 else -(1 << hi)
+        if done == 0:
+            if RESIDENT:
+                match = valid_res & ((u_res & prefix_mask) == prefix)
+                hist = tl.histogram((u_res >> shift) & digit_mask, NUM_BINS, mask=match)
+            else:
+                hist = tl.zeros([NUM_BINS], tl.int32)
+                for start in range(0, N, BLOCK):
+                    offs = start + offs0
+                    x = tl.load(src + offs, mask=offs < N, other=float("-inf"))
+                    u = _sortable_key(x)
+                    match = (x > float("-inf")) & ((u & prefix_mask) == prefix)
+                    hist += tl.histogram((u >> shift) & digit_mask, NUM_BINS, mask=match)
+            if d == 0:
+                remaining = tl.minimum(tl.sum(hist, axis=0), K)  # k_eff = min(k, #finite)
+                k_eff = remaining
+            bucket, above, in_bucket = _pick_bucket(hist, remaining, NUM_BINS)
+            remaining = remaining - above
+            prefix = prefix | (bucket << shift)
+            if EARLY_EXIT and d + 1 < NUM_PASSES:
+                if in_bucket == remaining:
+                    done = tl.full([], 1, tl.int32)
+                    remaining = tl.full([], N + 1, tl.int32)  # all entries equal to T win
+    # ``remaining`` entries equal to T are taken, the lowest indices first (0 if k_eff == 0:
+    # then T is the all-ones key and nothing is strictly above it).
+    threshold = prefix ^ -2147483648  # back to signed order for comparisons
+
+    # ---- compaction: winners in ascending index order ---------------------------------------
+    # One scan counts both the entries above T (high 16 bits) and those equal to T (low 16
+    # bits; a block holds at most 8192 entries, so the low half never carries). Winner i goes
+    # to (#above before i) + min(#equal before i, remaining).
+    if RESIDENT:
+        key = u_res ^ -2147483648
+        gt = valid_res & (key > threshold)
+        eq = valid_res & (key == threshold)
+        packed = (gt.to(tl.int32) << 16) | eq.to(tl.int32)
+        before = tl.cumsum(packed, axis=0) - packed
+        eq_before = before & 0xFFFF
+        take = gt | (eq & (eq_before < remaining))
+        pos = (before >> 16) + tl.minimum(eq_before, remaining)
+        tl.store(dst + pos, offs0, mask=take)
+    else:
+        gt_seen = tl.zeros([], tl.int32)
+        eq_seen = tl.zeros([], tl.int32)
+        for start in range(0, N, BLOCK):
+            offs = start + offs0
+            x = tl.load(src + offs, mask=offs < N, other=float("-inf"))
+            valid = x > float("-inf")
+            key = _sortable_key(x) ^ -2147483648
+            gt = valid & (key > threshold)
+            eq = valid & (key == threshold)
+            packed = (gt.to(tl.int32) << 16) | eq.to(tl.int32)
+            before = tl.cumsum(packed, axis=0) - packed
+            eq_before = eq_seen + (before & 0xFFFF)
+            take = gt | (eq & (eq_before < remaining))
+            pos = gt_seen + (before >> 16) + tl.minimum(eq_before, remaining)
+            tl.store(dst + pos, offs, mask=take)
+            block_counts = tl.sum(packed, axis=0)
+            gt_seen += block_counts >> 16
+            eq_seen += block_counts & 0xFFFF
+
+    # ---- pad with -1: exactly k_eff winners were written -------------------------------------
+    for start in range(0, K, OUT_BLOCK):
+        o = start + tl.arange(0, OUT_BLOCK)
+        tl.store(dst + o, tl.full([OUT_BLOCK], -1, tl.int32), mask=(o >= k_eff) & (o < K))
 
 
 @triton.jit
@@ -64,85 +180,50 @@ def _topk_kernel(
     BLOCK: tl.constexpr,
     OUT_BLOCK: tl.constexpr,
     RESIDENT: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
+    EARLY_EXIT: tl.constexpr,
 ):
     rid = tl.program_id(0).to(tl.int64)
-    src = S + rid * stride_s
-    dst = OUT + rid * stride_o
-    offs0 = tl.arange(0, BLOCK)
+    _topk_row(S + rid * stride_s, OUT + rid * stride_o, N, K, BLOCK, OUT_BLOCK, RESIDENT,
+              RADIX_BITS, EARLY_EXIT)
 
-    if RESIDENT:
-        x_res = tl.load(src + offs0, mask=offs0 < N, other=float("-inf"))
-        valid_res = x_res > float("-inf")  # NaN is never selected either
-        u_res = _sortable_key(x_res)
 
-    # ---- radix select: find the exact key T of the k-th largest finite entry ----------------
-    prefix = tl.zeros([], tl.int32)
-    remaining = tl.zeros([], tl.int32)
-    for d in tl.static_range(4):
-        shift = 24 - 8 * d
-        prefix_mask = 0 if d == 0 else -(1 << (32 - 8 * d))
-        if RESIDENT:
-            match = valid_res & ((u_res & prefix_mask) == prefix)
-            hist = tl.histogram((u_res >> shift) & 255, 256, mask=match)
-        else:
-            hist = tl.zeros([256], tl.int32)
-            for start in range(0, N, BLOCK):
-                offs = start + offs0
-                x = tl.load(src + offs, mask=offs < N, other=float("-inf"))
-                u = _sortable_key(x)
-                match = (x > float("-inf")) & ((u & prefix_mask) == prefix)
-                hist += tl.histogram((u >> shift) & 255, 256, mask=match)
-        if d == 0:
-            remaining = tl.minimum(tl.sum(hist, axis=0), K)  # k_eff = min(k, #finite)
-        bucket, above = _pick_bucket(hist, remaining)
-        remaining = remaining - above
-        prefix = prefix | (bucket << shift)
-    # ``remaining`` entries equal to T are taken, the lowest indices first (0 if k_eff == 0:
-    # then T is the all-ones key and nothing is strictly above it).
-    threshold = prefix ^ -2147483648  # back to signed order for comparisons
-
-    # ---- compaction: winners in ascending index order ---------------------------------------
-    taken = tl.zeros([], tl.int32)
-    ties = tl.zeros([], tl.int32)
-    if RESIDENT:
-        key = u_res ^ -2147483648
-        gt = valid_res & (key > threshold)
-        eq = valid_res & (key == threshold)
-        eq_i = eq.to(tl.int32)
-        eq_rank = tl.cumsum(eq_i, axis=0) - eq_i
-        take = gt | (eq & (eq_rank < remaining))
-        take_i = take.to(tl.int32)
-        pos = tl.cumsum(take_i, axis=0) - take_i
-        tl.store(dst + pos, offs0, mask=take)
-        taken = tl.sum(take_i, axis=0)
-    else:
-        for start in range(0, N, BLOCK):
-            offs = start + offs0
-            x = tl.load(src + offs, mask=offs < N, other=float("-inf"))
-            valid = x > float("-inf")
-            key = _sortable_key(x) ^ -2147483648
-            gt = valid & (key > threshold)
-            eq = valid & (key == threshold)
-            eq_i = eq.to(tl.int32)
-            eq_rank = ties + tl.cumsum(eq_i, axis=0) - eq_i
-            take = gt | (eq & (eq_rank < remaining))
-            take_i = take.to(tl.int32)
-            pos = taken + tl.cumsum(take_i, axis=0) - take_i
-            tl.store(dst + pos, offs, mask=take)
-            taken += tl.sum(take_i, axis=0)
-            ties += tl.sum(eq_i, axis=0)
-
-    # ---- pad with -1 ---------------------------------------------------------------------------
-    for start in range(0, K, OUT_BLOCK):
-        o = start + tl.arange(0, OUT_BLOCK)
-        tl.store(dst + o, tl.full([OUT_BLOCK], -1, tl.int32), mask=(o >= taken) & (o < K))
+def topk_launch_config(n: int, k: int, radix_bits: int = 8) -> dict:
+    """The compile-time parameters (and num_warps) of :func:`_topk_row` for rows of ``n``
+    entries and a given ``k`` (checked against the kernel's limits)."""
+    resident = n <= _MAX_RESIDENT
+    block = max(16, triton.next_power_of_2(n)) if resident else _STREAM_BLOCK
+    if block > 32768:  # the compaction packs two counts of up to BLOCK into one int32
+        raise ValueError(f"top-k block {block} too large")
+    if n >= 1 << 24:  # _pick_bucket packs counts of up to n in 24 bits
+        raise ValueError(f"top-k rows of {n} entries are too long (max {(1 << 24) - 1})")
+    if not 5 <= radix_bits <= 8:
+        raise ValueError(f"radix_bits must be in 5..8, got {radix_bits}")
+    return dict(
+        N=n,
+        K=k,
+        BLOCK=block,
+        OUT_BLOCK=min(1024, max(16, triton.next_power_of_2(k))),
+        RESIDENT=resident,
+        RADIX_BITS=radix_bits,
+        num_warps=16 if block >= 8192 else 8 if block >= 4096 else 4,
+    )
 
 
 def topk_masked(
-    scores: Tensor, k: int, out: Tensor | None = None, impl: str = "triton"
+    scores: Tensor,
+    k: int,
+    out: Tensor | None = None,
+    impl: str = "triton",
+    radix_bits: int = 8,
+    early_exit: bool = True,
 ) -> Tensor:
     """Indices (int32 ``[..., k]``) of the ``k`` largest finite entries of each row, ``-1``
-    padded. See the module docstring for the two implementations."""
+    padded. See the module docstring for the two implementations.
+
+    Triton only: ``radix_bits`` (5..8) is the digit width of the radix select (8: 4 passes of
+    a 256-bin histogram; 6: 6 passes of a cheaper 64-bin one), ``early_exit`` skips the
+    remaining passes once the k-th value's bucket is taken whole. Results are identical."""
     if scores.dtype != torch.float32:
         raise TypeError(f"scores must be float32, got {scores.dtype}")
     lead, n = scores.shape[:-1], scores.shape[-1]
@@ -161,21 +242,13 @@ def topk_masked(
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out_rows = out.view(-1, k)
-    resident = n <= _MAX_RESIDENT
-    block = max(16, triton.next_power_of_2(n)) if resident else _STREAM_BLOCK
-    out_block = min(1024, max(16, triton.next_power_of_2(k)))
-    num_warps = 8 if block >= 4096 else 4
     _topk_kernel[(rows.shape[0],)](
         rows,
         out_rows,
         rows.stride(0),
         out_rows.stride(0),
-        N=n,
-        K=k,
-        BLOCK=block,
-        OUT_BLOCK=out_block,
-        RESIDENT=resident,
-        num_warps=num_warps,
+        EARLY_EXIT=early_exit,
+        **topk_launch_config(n, k, radix_bits),
     )
     return out
 

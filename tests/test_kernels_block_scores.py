@@ -99,9 +99,50 @@ def test_no_sink_and_fp32():
         _check(pb, q, sink=0, window=1, precision=precision)
 
 
+@pytest.mark.parametrize("precision", ["fma", "ieee"])
+def test_bf16_summaries_equal_float32(precision):
+    """bf16 keys: summaries kept in bf16 (the default, 2 bytes per value) give bit-identical
+    scores to the same summaries in float32; a dtype mismatch is refused."""
+    gen = case_generator("block_scores_bf16", precision)
+    lens = [45, 77]
+    pb = make_paged_batch(gen, lens, 2, 32, 4, dtype=torch.bfloat16, device=DEVICE)
+    assert pb.kmin.dtype == pb.kmax.dtype == torch.bfloat16
+    q = random_values(gen, 2, 6, 32, dtype=torch.bfloat16, device=DEVICE)
+    common = (pb.req_to_token, pb.req_pool_indices, pb.seq_lens, 4, 3, 5, pb.max_blocks)
+    got = quest_block_scores_batched(q, pb.kmin, pb.kmax, *common, precision=precision)
+    wide = quest_block_scores_batched(q, pb.kmin.float(), pb.kmax.float(), *common,
+                                      precision=precision)
+    assert torch.equal(got, wide)
+    _check(pb, q, 3, 5, precision=precision)
+    with pytest.raises(TypeError):
+        quest_block_scores_batched(q, pb.kmin, pb.kmax.float(), *common)
+
+
+def test_tensor_core_path():
+    """precision "tc" (bf16 q and summaries straight into tl.dot): close to the reference on
+    continuous values, bit-identical to the fp32 "fma" path on dyadic values (every sum is
+    exact), and refused unless q and the summaries share a 16-bit dtype."""
+    gen = case_generator("block_scores_tc")
+    lens = [45, 77, 9]
+    pb = make_paged_batch(gen, lens, 2, 32, 4, dtype=torch.bfloat16, device=DEVICE)
+    q = random_values(gen, 3, 8, 32, dtype=torch.bfloat16, device=DEVICE)
+    _check(pb, q, 3, 5, precision="tc")
+    dy = make_paged_batch(gen, lens, 2, 32, 4, dtype=torch.bfloat16, device=DEVICE, dyadic=True)
+    qd = random_values(gen, 3, 8, 32, dtype=torch.bfloat16, device=DEVICE, dyadic=True)
+    common = (dy.req_to_token, dy.req_pool_indices, dy.seq_lens, 4, 3, 5, dy.max_blocks)
+    tc = quest_block_scores_batched(qd, dy.kmin, dy.kmax, *common, precision="tc")
+    fma = quest_block_scores_batched(qd, dy.kmin, dy.kmax, *common, precision="fma")
+    assert torch.equal(tc, fma)
+    for block_nb in (16, 32):  # other tile sizes give the same scores
+        assert torch.equal(quest_block_scores_batched(qd, dy.kmin, dy.kmax, *common,
+                                                      precision="tc", block_nb=block_nb), tc)
+    with pytest.raises(TypeError):
+        quest_block_scores_batched(qd.float(), dy.kmin, dy.kmax, *common, precision="tc")
+
+
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("precision", ["fma", "ieee", "tf32x3"])
+@pytest.mark.parametrize("precision", ["fma", "ieee", "tf32x3", "tc"])
 def test_gpu_real_shapes(precision):
     gen = case_generator("gpu-block-scores", precision)
     lens = [32768, 32768 - 7, 4099, 1]

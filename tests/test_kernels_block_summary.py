@@ -54,8 +54,8 @@ def _check_against_block_minmax(pb):
         row = int(pb.req_pool_indices[b])
         ref_min, ref_max = block_minmax(pb.keys(b), bs)
         pages = pb.req_to_token[row, : length : bs].long() // bs
-        assert torch.equal(pb.kmin[pages], ref_min), f"request {b}: kmin"
-        assert torch.equal(pb.kmax[pages], ref_max), f"request {b}: kmax"
+        assert torch.equal(pb.kmin[pages].float(), ref_min), f"request {b}: kmin"
+        assert torch.equal(pb.kmax[pages].float(), ref_max), f"request {b}: kmax"
 
 
 @pytest.mark.parametrize("num_kv_heads,head_dim", [(4, 16), (2, 32), (1, 32)])
@@ -63,32 +63,58 @@ def _check_against_block_minmax(pb):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_chunked_writes_match_block_minmax(num_kv_heads, head_dim, page_size, dtype):
     """Prefill in several chunks (boundaries inside pages), several requests per call, garbage
-    in the pages beforehand: each page ends up as block_minmax of its block."""
+    in the pages beforehand: each page ends up as block_minmax of its block (summaries in the
+    KV dtype, as the backend keeps them)."""
     gen = case_generator("chunks", num_kv_heads, head_dim, page_size, dtype)
     lens = [1, page_size, page_size + 1, 3 * page_size - 1, 37]
     pb = make_paged_batch(
         gen, lens, num_kv_heads, head_dim, page_size, dtype=dtype, device=DEVICE, summary_chunks=4
     )
+    assert pb.kmin.dtype == pb.kmax.dtype == dtype
     _check_against_block_minmax(pb)
 
 
-@pytest.mark.parametrize("page_size", [4, 8])
-def test_matches_reference_call_by_call(page_size):
-    """Random writes (prefill chunks + decode tokens) into a pool: after every call the kernel's
-    summaries equal the torch reference's, untouched pages included (bit for bit)."""
-    gen = case_generator("calls", page_size)
-    hkv, d, num_pages = 2, 16, 24
-    kmin = random_values(gen, num_pages, hkv, d, device=DEVICE)
+def _sglang_like_calls(gen, page_size, num_pages, num_reqs=4, num_calls=9):
+    """Calls as SGLang's scheduler makes them: each call writes, for a random subset of the
+    requests (in a random order), either an extend chunk (a random number of tokens, possibly
+    starting and ending inside a page) or one decode token; the ``loc`` of a call is the
+    concatenation of the requests' slots. Requests own disjoint scattered pages."""
+    pages = torch.randperm(num_pages, generator=gen)[: num_reqs * 6].view(num_reqs, 6)
+    slots = (pages[:, :, None] * page_size + torch.arange(page_size)).view(num_reqs, -1)
+    written = [0] * num_reqs
+    calls = []
+    for c in range(num_calls):
+        order = torch.randperm(num_reqs, generator=gen)[: int(torch.randint(1, num_reqs + 1, (1,),
+                                                                              generator=gen))]
+        locs = []
+        for r in order.tolist():
+            room = slots.shape[1] - written[r]
+            if room == 0:
+                continue
+            decode = c >= 3 and bool(torch.rand(1, generator=gen) < 0.6)
+            count = 1 if decode else int(torch.randint(1, 2 * page_size + 2, (1,), generator=gen))
+            count = min(count, room)
+            locs.append(slots[r, written[r] : written[r] + count])
+            written[r] += count
+        if locs:
+            calls.append(torch.cat(locs))
+    return calls
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 8])
+@pytest.mark.parametrize("summary_dtype", [torch.bfloat16, torch.float32])
+def test_matches_reference_call_by_call(page_size, summary_dtype):
+    """Prefill chunks (chunk boundaries inside pages), decode steps and several requests per
+    call, written into a pool with stale summaries: after every call the kernel's summaries
+    equal the torch reference's, untouched pages included (bit for bit)."""
+    gen = case_generator("calls", page_size, summary_dtype)
+    hkv, d, num_pages = 2, 16, 40
+    kmin = random_values(gen, num_pages, hkv, d, dtype=summary_dtype, device=DEVICE)
     kmax = kmin + 1
     kmin_ref, kmax_ref = kmin.clone(), kmax.clone()
-    # three requests on scattered pages, written in prefill chunks then decode steps
-    pages = torch.randperm(num_pages, generator=gen)[:15].view(3, 5)
-    slots = (pages[:, :, None] * page_size + torch.arange(page_size)).view(3, -1)
-    written = [0, 0, 0]
-    steps = [(0, 7), (1, 3), (2, 2 * page_size), (0, 1), (1, 1), (2, 1), (0, page_size + 2)]
-    for req, count in steps + [(r, 1) for r in range(3)] * 3:
-        loc = slots[req, written[req] : written[req] + count]
-        written[req] += count
+    calls = _sglang_like_calls(gen, page_size, num_pages)
+    assert any(loc.numel() > page_size for loc in calls)  # multi-page chunks were written
+    for loc in calls:
         keys = random_values(gen, loc.numel(), hkv, d, dtype=torch.bfloat16, device=DEVICE)
         loc = loc.to(DEVICE)
         update_block_summaries(kmin, kmax, keys, loc, page_size)
@@ -96,12 +122,32 @@ def test_matches_reference_call_by_call(page_size):
         assert torch.equal(kmin, kmin_ref) and torch.equal(kmax, kmax_ref)
 
 
-def test_decode_batch_strided_keys_and_page_reuse():
+def test_cuda_graph_padding_writes_slot_zero():
+    """SGLang's CUDA-graph padding writes slot 0 once per padded entry (one run on the padding
+    page); the real requests' pages are unaffected, and with at most a page of padding entries
+    page 0 equals the reference too."""
+    gen = case_generator("padding-slot0")
+    bs, hkv, d = 4, 2, 16
+    for num_pad in (3, 11):
+        kmin, kmax = allocate_block_summaries(8 * bs, hkv, d, bs, device=DEVICE)
+        kmin_ref, kmax_ref = kmin.clone(), kmax.clone()
+        loc = torch.tensor([5 * bs + 1, 2 * bs, 6 * bs + 3] + [0] * num_pad, device=DEVICE)
+        keys = random_values(gen, loc.numel(), hkv, d, dtype=torch.bfloat16, device=DEVICE)
+        update_block_summaries(kmin, kmax, keys, loc, bs)
+        update_block_summaries_ref(kmin_ref, kmax_ref, keys, loc, bs)
+        real = slice(1, None) if num_pad > bs else slice(None)
+        assert torch.equal(kmin[real], kmin_ref[real]) and torch.equal(kmax[real], kmax_ref[real])
+
+
+@pytest.mark.parametrize("summary_dtype", [torch.bfloat16, torch.float32])
+def test_decode_batch_strided_keys_and_page_reuse(summary_dtype):
     """One decode token per request in one call, keys as a strided view (like a slice of a
-    fused qkv output); a freed page handed to a new request starts clean."""
+    fused qkv output, here float32: rounded to bf16 summaries); a freed page handed to a new
+    request starts clean."""
     gen = case_generator("decode")
     bs, hkv, d = 4, 2, 16
-    kmin, kmax = allocate_block_summaries(10 * bs, hkv, d, bs, device=DEVICE)
+    kmin, kmax = allocate_block_summaries(10 * bs, hkv, d, bs, device=DEVICE, dtype=summary_dtype)
+    assert kmin.dtype == kmax.dtype == summary_dtype
     kmin_ref, kmax_ref = kmin.clone(), kmax.clone()
     # request A fills page 3 with large keys, then the page is freed and reused by request B
     big = torch.full((bs, hkv, d), 9.0, device=DEVICE)
@@ -115,12 +161,24 @@ def test_decode_batch_strided_keys_and_page_reuse():
     update_block_summaries(kmin, kmax, k_new, loc, bs)
     update_block_summaries_ref(kmin_ref, kmax_ref, k_new, loc, bs)
     assert torch.equal(kmin, kmin_ref) and torch.equal(kmax, kmax_ref)
-    assert torch.equal(kmin[3], k_new[0].float()) and torch.equal(kmax[3], k_new[0].float())
+    k_new = k_new.to(summary_dtype)
+    assert torch.equal(kmin[3], k_new[0]) and torch.equal(kmax[3], k_new[0])
     # pages 5 and 7 were never started: they fold into the empty (+inf/-inf) summaries
-    assert torch.equal(kmax[5], k_new[1].float()) and torch.equal(kmin[7], k_new[2].float())
+    assert torch.equal(kmax[5], k_new[1]) and torch.equal(kmin[7], k_new[2])
     # an empty call is a no-op
     update_block_summaries(kmin, kmax, k_new[:0], loc[:0], bs)
     assert torch.equal(kmin, kmin_ref)
+
+
+def test_allocate_and_dtype_checks():
+    kmin, kmax = allocate_block_summaries(10, 2, 8, 4, device=DEVICE)
+    assert kmin.dtype == kmax.dtype == torch.bfloat16 and kmin.shape == (3, 2, 8)
+    assert (kmin == float("inf")).all() and (kmax == float("-inf")).all()
+    with pytest.raises(TypeError):
+        allocate_block_summaries(10, 2, 8, 4, device=DEVICE, dtype=torch.int32)
+    keys = torch.zeros(1, 2, 8, device=DEVICE)
+    with pytest.raises(TypeError):
+        update_block_summaries(kmin, kmax.float(), keys, torch.zeros(1, device=DEVICE), 4)
 
 
 @gpu
@@ -133,6 +191,7 @@ def test_gpu_real_shapes():
     pb = make_paged_batch(
         gen, lens, 8, 128, 16, dtype=torch.bfloat16, device="cuda", summary_chunks=4
     )
+    assert pb.kmin.dtype == torch.bfloat16
     _check_against_block_minmax(pb)
     kmin_ref, kmax_ref = pb.kmin.clone(), pb.kmax.clone()
     loc = torch.tensor([TRAP_PAGE * 16 + 3, 2 * 16], device="cuda")
@@ -141,3 +200,22 @@ def test_gpu_real_shapes():
     update_block_summaries_ref(kmin_ref, kmax_ref, keys, loc, 16)
     torch.cuda.synchronize()
     assert torch.equal(pb.kmin, kmin_ref) and torch.equal(pb.kmax, kmax_ref)
+
+
+@gpu
+@needs_cuda
+def test_gpu_sglang_like_calls_real_shapes():
+    """The atomic-free run update under real GPU concurrency: SGLang-like calls (extend chunks
+    across pages, decode tokens, several requests per call) at Hkv=8, D=128, page 16 equal the
+    reference after every call."""
+    gen = case_generator("gpu-calls")
+    kmin = random_values(gen, 64, 8, 128, dtype=torch.bfloat16, device="cuda")
+    kmax = kmin + 1
+    kmin_ref, kmax_ref = kmin.clone(), kmax.clone()
+    for loc in _sglang_like_calls(gen, 16, 64, num_reqs=8, num_calls=20):
+        keys = random_values(gen, loc.numel(), 8, 128, dtype=torch.bfloat16, device="cuda")
+        loc = loc.cuda()
+        update_block_summaries(kmin, kmax, keys, loc, 16)
+        update_block_summaries_ref(kmin_ref, kmax_ref, keys, loc, 16)
+        torch.cuda.synchronize()
+        assert torch.equal(kmin, kmin_ref) and torch.equal(kmax, kmax_ref)

@@ -193,6 +193,44 @@ def test_padding_entries_and_workspace_reuse():
                               workspace=ws)
 
 
+@pytest.mark.parametrize("method", ["quest", "ds", "two_level"])
+def test_unfused_assembly_and_radix_bits(method):
+    """The separate top-k + assembly launches (fuse_assemble=False), a 6-bit radix and the
+    tensor-core block scores give the oracle's sets too, and the same slots as the default
+    (fused, 8-bit, fma) path."""
+    hq, hkv, d, bs = 6, 2, 32, 4
+    params = SelectionParams(method, 24, bs, 4, 3, 5)
+    gen = case_generator("unfused", method)
+    pb = make_paged_batch(gen, [20, 61, 90], hkv, d, bs, dtype=torch.bfloat16, device=DEVICE)
+    q = random_values(gen, 3, hq, d, dtype=torch.bfloat16, device=DEVICE)
+    args = (q, pb.k_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.kmin, pb.kmax,
+            params)
+    default = select_slots_batched(*args).clone()
+    for kw in (dict(fuse_assemble=False), dict(topk_radix_bits=6),
+               dict(block_score_precision="tc")):
+        if method == "ds" and "block_score_precision" in kw:
+            continue  # no block scores
+        ws = SparseDecodeWorkspace(3, hq, hkv, d, params, pb.max_blocks, DEVICE, torch.bfloat16,
+                                   **kw)
+        _run_and_check(pb, q, params, None, workspace=ws)
+        assert torch.equal(select_slots_batched(*args, workspace=ws), default)
+
+
+def test_float32_summaries_select_the_same():
+    """Summaries kept in float32 instead of the KV dtype (bf16): identical block scores, so
+    identical selections (bf16 min/max are exact)."""
+    hq, hkv, d, bs = 4, 2, 32, 4
+    params = SelectionParams("two_level", 24, bs, 5, 3, 5)
+    gen = case_generator("fp32-summaries")
+    pb = make_paged_batch(gen, [50, 97], hkv, d, bs, dtype=torch.bfloat16, device=DEVICE)
+    assert pb.kmin.dtype == torch.bfloat16
+    q = random_values(gen, 2, hq, d, dtype=torch.bfloat16, device=DEVICE)
+    common = (q, pb.k_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens)
+    got_bf16 = select_slots_batched(*common, pb.kmin, pb.kmax, params).clone()
+    got_fp32 = select_slots_batched(*common, pb.kmin.float(), pb.kmax.float(), params)
+    assert torch.equal(got_bf16, got_fp32)
+
+
 def test_torch_topk_impl():
     hq, hkv, d, bs = 4, 4, 16, 4
     params = SelectionParams("two_level", 24, bs, 4, 3, 5)
@@ -227,6 +265,46 @@ def test_gpu_real_shapes(method, use_channels):
     q = random_values(gen, 4, 32, 128, dtype=torch.bfloat16, device="cuda", dyadic=True)
     channels = _channels(gen, 8, 128, 16, "cuda") if use_channels else None
     _run_and_check(pb, q, _gpu_params(method), channels)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("method", ["quest", "two_level"])
+def test_gpu_tensor_core_block_scores_exact(method):
+    """Real shapes, dyadic q/k: the tensor-core block scores ("tc") select exactly the
+    oracle's sets (every sum is exact whatever the accumulation order)."""
+    gen = case_generator("gpu-tc", method)
+    pb = make_paged_batch(gen, GPU_LENS, 8, 128, 16, dtype=torch.bfloat16, device="cuda",
+                          summary_chunks=4, dyadic=True)
+    q = random_values(gen, 4, 32, 128, dtype=torch.bfloat16, device="cuda", dyadic=True)
+    params = _gpu_params(method)
+    ws = SparseDecodeWorkspace(4, 32, 8, 128, params, pb.max_blocks, "cuda", torch.bfloat16,
+                               block_score_precision="tc")
+    _run_and_check(pb, q, params, _channels(gen, 8, 128, 16, "cuda"), workspace=ws)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("method", ["quest", "ds", "two_level"])
+def test_gpu_selection_variants_same_slots(method):
+    """Real shapes, continuous values: float32 summaries, the unfused top-k + assembly and a
+    6-bit radix select exactly the slots of the default path (bf16 summaries, fused)."""
+    gen = case_generator("gpu-variants", method)
+    pb = make_paged_batch(gen, GPU_LENS, 8, 128, 16, dtype=torch.bfloat16, device="cuda",
+                          summary_chunks=4)
+    q = random_values(gen, 4, 32, 128, dtype=torch.bfloat16, device="cuda")
+    params = _gpu_params(method)
+    channels = _channels(gen, 8, 128, 16, "cuda")
+    common = (q, pb.k_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens)
+    default = select_slots_batched(*common, pb.kmin, pb.kmax, params, channels=channels).clone()
+    for summaries, kw in (((pb.kmin.float(), pb.kmax.float()), {}),
+                          ((pb.kmin, pb.kmax), dict(fuse_assemble=False)),
+                          ((pb.kmin, pb.kmax), dict(topk_radix_bits=6))):
+        # (tensor-core block scores sum in another order: compared on dyadic data below)
+        ws = SparseDecodeWorkspace(4, 32, 8, 128, params, pb.max_blocks, "cuda", torch.bfloat16,
+                                   **kw)
+        got = select_slots_batched(*common, *summaries, params, channels=channels, workspace=ws)
+        assert torch.equal(got, default), kw
 
 
 @gpu

@@ -72,6 +72,38 @@ def test_triton_equals_reference(n, k, ties):
     assert torch.equal(got, topk_masked_ref(s, k))
 
 
+@pytest.mark.parametrize("radix_bits", [5, 6, 8])
+@pytest.mark.parametrize("early_exit", [True, False], ids=["exit", "noexit"])
+def test_radix_variants(radix_bits, early_exit):
+    """Every digit width, with and without the early exit, on rows that exit at different
+    passes: continuous (usually before the last pass), heavy ties (never), distinct powers of
+    two (after the first pass), all equal (never), one finite entry."""
+    gen = case_generator("topk-radix", radix_bits, early_exit)
+    n = 200
+    s = torch.cat([
+        _scores(gen, 4, n),
+        _scores(gen, 4, n, ties=True),
+        torch.stack([
+            2.0 ** (torch.randperm(n, generator=gen).float() - 100),  # distinct exponents
+            -(2.0 ** (torch.randperm(n, generator=gen).float() - 100)),
+            torch.full((n,), 3.0),
+            torch.where(torch.arange(n) == 77, 1.0, float("-inf")),
+        ]),
+    ]).to(DEVICE)
+    for k in (1, 100, 199):
+        got = topk_masked(s, k, radix_bits=radix_bits, early_exit=early_exit)
+        assert torch.equal(got, topk_masked_ref(s, k)), k
+
+
+@pytest.mark.parametrize("n,k", [(8192, 246), (3936, 1968)])
+def test_pipeline_row_lengths(n, k):
+    """The block top-k of a 128k context at block size 16 (8192 entries: register resident,
+    16 warps) and the two_level token top-k (3936 candidates, k 1968)."""
+    gen = case_generator("topk-pipeline", n, k)
+    s = torch.cat([_scores(gen, 2, n), _scores(gen, 1, n, ties=True)]).to(DEVICE)
+    assert torch.equal(topk_masked(s, k), topk_masked_ref(s, k))
+
+
 def test_streaming_rows_and_batched_shape(monkeypatch):
     """Rows longer than the register-resident limit stream from memory each pass; leading
     dims are kept."""
@@ -80,8 +112,8 @@ def test_streaming_rows_and_batched_shape(monkeypatch):
     gen = case_generator("topk-stream")
     for ties in (False, True):
         s = _scores(gen, 4, 1000, ties).view(2, 2, 1000).to(DEVICE)
-        for k in (7, 300):
-            got = topk_masked(s, k)
+        for k, early_exit in ((7, True), (300, True), (300, False)):
+            got = topk_masked(s, k, early_exit=early_exit)
             assert got.shape == (2, 2, k)
             assert torch.equal(got, topk_masked_ref(s, k))
 
@@ -117,5 +149,7 @@ def test_gpu_real_shapes(n, k):
         s = _scores(gen, 32, n, ties).cuda()
         got = topk_masked(s, k)
         assert torch.equal(got, topk_masked_ref(s, k))
+        for bits, early_exit in ((6, True), (8, False)):
+            assert torch.equal(topk_masked(s, k, radix_bits=bits, early_exit=early_exit), got)
         if not ties:
             assert _sets(topk_masked(s, k, impl="torch")) == _sets(got)

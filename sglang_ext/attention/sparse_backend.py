@@ -42,20 +42,32 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PageSummaries:
-    """Per-layer running key min/max of every KV page (the Quest block summaries)."""
+    """Per-layer running key min/max of every KV page (the Quest block summaries).
 
-    kmin: list[torch.Tensor]  # per layer: float32 [num_pages, Hkv, D]
+    Kept in the KV dtype when it is bf16/fp16 (exact for keys of that dtype, half the bytes of
+    float32 for the decode step to read), float32 otherwise (e.g. an fp8 KV cache)."""
+
+    kmin: list[torch.Tensor]  # per layer: [num_pages, Hkv, D], see summary_dtype
     kmax: list[torch.Tensor]
     page_size: int
+
+    @staticmethod
+    def summary_dtype(kv_dtype: torch.dtype) -> torch.dtype:
+        if kv_dtype in (torch.bfloat16, torch.float16, torch.float32):
+            return kv_dtype
+        return torch.float32
 
     @classmethod
     def allocate(cls, pool: Any, page_size: int, device: Any) -> "PageSummaries":
         from sglang_ext.kernels.block_summary import allocate_block_summaries
 
         k0 = pool.get_key_buffer(pool.start_layer)
+        dtype = cls.summary_dtype(k0.dtype)
         kmin, kmax = [], []
         for _ in range(pool.layer_num):
-            lo, hi = allocate_block_summaries(k0.shape[0], k0.shape[1], k0.shape[2], page_size, device)
+            lo, hi = allocate_block_summaries(
+                k0.shape[0], k0.shape[1], k0.shape[2], page_size, device, dtype=dtype
+            )
             kmin.append(lo)
             kmax.append(hi)
         return cls(kmin, kmax, page_size)
