@@ -13,6 +13,7 @@ logger = logging.getLogger(__name__)
 
 _CONFIG_ATTR = "_sglang_ext_config"
 _active: sparse_config.SparseConfig | None = None  # this process's config
+_active_impl: str | None = None  # the decode implementation this server runs, once known
 
 
 def _after_add_cli_args(result: Any, parser: argparse.ArgumentParser) -> None:
@@ -29,7 +30,16 @@ def _around_from_cli_args(original: Callable, cls: type, args: argparse.Namespac
     if uses_sparse_backend(server_args):
         _check_label_config(server_args, cfg)
         _force_compatible_settings(server_args, cfg)
+        from sglang_ext.attention.sparse_backend import resolve_impl
+
+        global _active_impl
+        _active_impl = resolve_impl(cfg, server_args.device)
     return server_args
+
+
+def active_impl() -> str | None:
+    """The decode implementation of the server this (main) process launched, if ours."""
+    return _active_impl
 
 
 def attach_config(server_args: Any, cfg: sparse_config.SparseConfig) -> None:
