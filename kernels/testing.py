@@ -11,9 +11,6 @@ Import this module only after ``TRITON_INTERPRET`` is settled (it imports the ke
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import zlib
 from dataclasses import dataclass, field
 
@@ -166,54 +163,3 @@ def make_paged_batch(
         update_block_summaries(kmin, kmax, pb.k_buffer[loc], loc, bs)
     pb.kmin, pb.kmax = kmin, kmax
     return pb
-
-
-# ------------------------------------------------------------------ CPU interpreter fallback
-
-
-def interpreter_came_too_late() -> bool:
-    """True on a machine without CUDA when triton was imported before ``TRITON_INTERPRET`` was
-    switched on (e.g. through sglang, by a test module collected earlier in the same pytest
-    run): triton's own jit helpers (``tl.zeros``, ``tl.sum``...) were then built for the GPU and
-    the interpreter cannot run the kernels in this process."""
-    if torch.cuda.is_available():
-        return False
-    import triton.language as tl
-
-    return type(tl.zeros).__name__ != "InterpretedFunction"
-
-
-def fresh_process_fallback(module_file: str):
-    """``(guard_fixture, runner_test_or_None)`` for a kernel test module.
-
-    When :func:`interpreter_came_too_late`, the guard (an autouse fixture) skips the module's
-    tests here and the runner re-runs the whole module in a fresh process with
-    ``TRITON_INTERPRET=1`` set from the start, failing if it fails. Otherwise the guard does
-    nothing and there is no runner.
-    """
-    import pytest
-
-    late = interpreter_came_too_late()
-    runner_name = "test_module_in_fresh_interpreter_process"
-
-    @pytest.fixture(autouse=True)
-    def guard(request):
-        if late and request.node.originalname != runner_name:
-            pytest.skip(f"triton was imported before TRITON_INTERPRET: see {runner_name}")
-        yield
-
-    if not late:
-        return guard, None
-
-    def runner():
-        root = os.path.dirname(os.path.dirname(os.path.abspath(module_file)))
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", module_file]
-        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
-        assert proc.returncode == 0, (
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-10000:]}\n"
-            f"{proc.stderr[-3000:]}"
-        )
-
-    runner.__name__ = runner_name
-    return guard, runner

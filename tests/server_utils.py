@@ -31,6 +31,7 @@ def free_port() -> int:
 
 def server_env() -> dict[str, str]:
     env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # set by conftest for the kernel tests, not for servers
     env["SGLANG_USE_CPU_ENGINE"] = "1"  # without it the rotary embedding imports vLLM ops
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env

@@ -5,46 +5,25 @@ On a machine without CUDA the Triton kernels run in Triton's CPU interpreter, wh
 switched on before any kernel module is imported.
 """
 
-import os
-
+import pytest
 import torch
 
-# Without CUDA the Triton kernels run in Triton's CPU interpreter, which must be switched on
-# before triton is first imported in the process (see fresh_process_fallback below for when
-# another module imported it first).
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-
-from sglang_ext.kernels.block_summary import (  # noqa: E402
+from sglang_ext.kernels.block_summary import (
     allocate_block_summaries,
     update_block_summaries,
     update_block_summaries_ref,
 )
-from sglang_ext.kernels.testing import (  # noqa: E402
-    fresh_process_fallback,
+from sglang_ext.kernels.testing import (
     TRAP_PAGE,
     case_generator,
     make_paged_batch,
     random_values,
 )
-from sglang_ext.selection.reference import block_minmax  # noqa: E402
+from sglang_ext.selection.reference import block_minmax
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-_interpreter_guard, _runner = fresh_process_fallback(__file__)
-if _runner is not None:
-    test_module_in_fresh_interpreter_process = _runner
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _check_against_block_minmax(pb):

@@ -1,46 +1,25 @@
 """Split-KV sparse decode attention over selected slots (kernels/sparse_attention.py) against
 the reference ``sparse_attention_with_lse``."""
 
-import os
-
+import pytest
 import torch
 
-# Without CUDA the Triton kernels run in Triton's CPU interpreter, which must be switched on
-# before triton is first imported in the process (see fresh_process_fallback below for when
-# another module imported it first).
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-
-from sglang_ext.kernels.sparse_attention import (  # noqa: E402
+from sglang_ext.kernels.sparse_attention import (
     sparse_attention_batched,
     sparse_attention_batched_ref,
 )
-from sglang_ext.kernels.testing import (  # noqa: E402
+from sglang_ext.kernels.testing import (
     case_generator,
-    fresh_process_fallback,
     make_paged_batch,
     random_values,
 )
-from sglang_ext.selection.reference import merge_attention_states  # noqa: E402
+from sglang_ext.selection.reference import merge_attention_states
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-_interpreter_guard, _runner = fresh_process_fallback(__file__)
-if _runner is not None:
-    test_module_in_fresh_interpreter_process = _runner
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 HEADS = [(4, 4), (6, 2), (4, 1)]
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _random_selection(gen, pb, num_sel):

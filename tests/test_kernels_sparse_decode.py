@@ -10,44 +10,27 @@ import os
 
 import torch
 
-# Without CUDA the Triton kernels run in Triton's CPU interpreter, which must be switched on
-# before triton is first imported in the process (see fresh_process_fallback below for when
-# another module imported it first).
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
+import pytest
 
-from sglang_ext.kernels.block_summary import update_block_summaries  # noqa: E402
-from sglang_ext.kernels.sparse_decode import (  # noqa: E402
+from sglang_ext.kernels.block_summary import update_block_summaries
+from sglang_ext.kernels.sparse_decode import (
     SparseDecodeWorkspace,
     select_slots_batched,
     sparse_decode_batched,
     sparse_decode_batched_ref,
 )
-from sglang_ext.kernels.testing import (  # noqa: E402
+from sglang_ext.kernels.testing import (
     case_generator,
-    fresh_process_fallback,
     make_paged_batch,
     random_values,
 )
-from sglang_ext.selection.reference import SelectionParams  # noqa: E402
+from sglang_ext.selection.reference import SelectionParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-_interpreter_guard, _runner = fresh_process_fallback(__file__)
-if _runner is not None:
-    test_module_in_fresh_interpreter_process = _runner
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _channels(gen, hkv, head_dim, r, device):

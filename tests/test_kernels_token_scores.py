@@ -1,45 +1,24 @@
 """Label-channel token scores of candidate blocks (kernels/token_scores.py) against the
 per-request reference ``label_token_scores``."""
 
-import os
-
+import pytest
 import torch
 
-# Without CUDA the Triton kernels run in Triton's CPU interpreter, which must be switched on
-# before triton is first imported in the process (see fresh_process_fallback below for when
-# another module imported it first).
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-
-from sglang_ext.kernels.testing import (  # noqa: E402
+from sglang_ext.kernels.testing import (
     case_generator,
-    fresh_process_fallback,
     make_paged_batch,
     random_values,
 )
-from sglang_ext.kernels.token_scores import (  # noqa: E402
+from sglang_ext.kernels.token_scores import (
     label_token_scores_batched,
     label_token_scores_batched_ref,
 )
-from sglang_ext.selection.reference import label_token_scores  # noqa: E402
+from sglang_ext.selection.reference import label_token_scores
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-_interpreter_guard, _runner = fresh_process_fallback(__file__)
-if _runner is not None:
-    test_module_in_fresh_interpreter_process = _runner
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 HEADS = [(4, 4), (6, 2), (4, 1)]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _random_cand(gen, pb, num_cand):

@@ -2,40 +2,19 @@
 (ties to the lower index, ascending output, -1 padding); the torch.topk path selects the same
 sets when there are no ties."""
 
-import os
-
+import pytest
 import torch
 
-# Without CUDA the Triton kernels run in Triton's CPU interpreter, which must be switched on
-# before triton is first imported in the process (see fresh_process_fallback below for when
-# another module imported it first).
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-
-from sglang_ext.kernels import topk as topk_mod  # noqa: E402
-from sglang_ext.kernels.testing import (  # noqa: E402
+from sglang_ext.kernels import topk as topk_mod
+from sglang_ext.kernels.testing import (
     case_generator,
-    fresh_process_fallback,
 )
-from sglang_ext.kernels.topk import topk_masked, topk_masked_ref  # noqa: E402
+from sglang_ext.kernels.topk import topk_masked, topk_masked_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-_interpreter_guard, _runner = fresh_process_fallback(__file__)
-if _runner is not None:
-    test_module_in_fresh_interpreter_process = _runner
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 POISON = 123456
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _scores(gen, rows, n, ties=False):

@@ -36,15 +36,6 @@ SM_SCALE = 1 / math.sqrt(D)
 NUM_LABEL_CHANNELS = 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """These tensors are tiny: intra-op threads only add latency, a lot on a loaded machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _gen(*case: object) -> torch.Generator:
     """A reproducible generator seeded differently for every test case."""
     return torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
