@@ -35,6 +35,10 @@ CONFIGS: dict[str, list[str]] = {
     "triton": ["--attention-backend", "triton"],
     "sglang_ext": ["--attention-backend", "sglang_ext", "--sparse-budget", "2048",
                    "--sparse-block-size", "16"],
+    # with the CPU KV tier (AsyncTLS schedule); host size from $SGLANG_EXT_TIER_HOST_GB
+    "sglang_ext_tier": ["--attention-backend", "sglang_ext", "--sparse-budget", "2048",
+                        "--sparse-block-size", "16", "--sparse-tier", "async",
+                        "--sparse-tier-host-gb", os.environ.get("SGLANG_EXT_TIER_HOST_GB", "64")],
     # the same, with FlashInfer (instead of SGLang's triton) running the dense prefill
     "sglang_ext_fi": ["--attention-backend", "sglang_ext", "--sparse-budget", "2048",
                       "--sparse-block-size", "16", "--sparse-dense-backend", "flashinfer"],
@@ -86,7 +90,11 @@ def server_log_stats(log_text: str) -> dict[str, int]:
     the driver also checks that the server really prefilled the prompts and decoded."""
     errors = [line for line in log_text.splitlines()
               if "Traceback" in line or "memory leak" in line or "] Error:" in line]
+    capacity = re.findall(r"max_total_num_tokens=(\d+)", log_text)
+    tier = re.findall(r"sglang_ext tier stats: (\{.*\})", log_text)
     return {
+        "max_total_num_tokens": int(capacity[-1]) if capacity else None,
+        "tier_stats": json.loads(tier[-1]) if tier else None,
         "server_errors": len(errors),
         "server_prefill_tokens": sum(int(m) for m in re.findall(r"#new-token: (\d+)", log_text)),
         "server_decode_log_lines": log_text.count("Decode batch"),

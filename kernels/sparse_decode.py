@@ -32,6 +32,8 @@ position 0 and touch nothing else.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -70,6 +72,7 @@ def _assemble_tile(
     CAND,
     SLOTS,
     POSITIONS,
+    PAGE_MAP,
     stride_r2t,
     stride_tb,
     stride_tg,
@@ -79,6 +82,8 @@ def _assemble_tile(
     stride_sg,
     stride_pb,
     stride_pg,
+    stride_mr,
+    stride_mg,
     BUDGET: tl.constexpr,
     SINK: tl.constexpr,
     WINDOW: tl.constexpr,
@@ -86,6 +91,7 @@ def _assemble_tile(
     NUM_TOP: tl.constexpr,
     MODE: tl.constexpr,
     WRITE_POS: tl.constexpr,
+    HAS_PAGE_MAP: tl.constexpr,
 ):
     """Slots ``j`` (a vector of slot-list indices) of (request ``b``, kv head ``g``)."""
     in_budget = j < BUDGET
@@ -128,8 +134,15 @@ def _assemble_tile(
     pos_dense = tl.where(j < seq_len, j.to(tl.int64), -1)
     pos = tl.where(seq_len <= BUDGET, pos_dense, pos_sparse)
     has = in_budget & (pos >= 0)
-    slot = tl.load(REQ_TO_TOKEN + row * stride_r2t + pos, mask=has, other=-1)
-    slot = tl.where(has, slot, -1)
+    if HAS_PAGE_MAP:
+        # CPU tier: the position's device slot for this kv head (-1: not resident, skipped).
+        page = tl.load(
+            PAGE_MAP + row * stride_mr + g * stride_mg + pos // BLOCK_SIZE, mask=has, other=-1
+        ).to(tl.int64)
+        slot = tl.where(has & (page >= 0), page * BLOCK_SIZE + pos % BLOCK_SIZE, -1)
+    else:
+        slot = tl.load(REQ_TO_TOKEN + row * stride_r2t + pos, mask=has, other=-1)
+        slot = tl.where(has, slot, -1)
     tl.store(SLOTS + b * stride_sb + g * stride_sg + j, slot.to(tl.int32), mask=in_budget)
     if WRITE_POS:
         tl.store(POSITIONS + b * stride_pb + g * stride_pg + j, pos.to(tl.int32), mask=in_budget)
@@ -144,6 +157,7 @@ def _assemble_slots_kernel(
     CAND,
     SLOTS,
     POSITIONS,
+    PAGE_MAP,
     stride_r2t,
     stride_tb,
     stride_tg,
@@ -153,6 +167,8 @@ def _assemble_slots_kernel(
     stride_sg,
     stride_pb,
     stride_pg,
+    stride_mr,
+    stride_mg,
     BUDGET: tl.constexpr,
     SINK: tl.constexpr,
     WINDOW: tl.constexpr,
@@ -161,14 +177,16 @@ def _assemble_slots_kernel(
     MODE: tl.constexpr,
     BLOCK: tl.constexpr,
     WRITE_POS: tl.constexpr,
+    HAS_PAGE_MAP: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     j = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     _assemble_tile(
-        b, g, j, REQ_TO_TOKEN, REQ_POOL_INDICES, SEQ_LENS, TOP, CAND, SLOTS, POSITIONS,
+        b, g, j, REQ_TO_TOKEN, REQ_POOL_INDICES, SEQ_LENS, TOP, CAND, SLOTS, POSITIONS, PAGE_MAP,
         stride_r2t, stride_tb, stride_tg, stride_cb, stride_cg, stride_sb, stride_sg, stride_pb,
-        stride_pg, BUDGET, SINK, WINDOW, BLOCK_SIZE, NUM_TOP, MODE, WRITE_POS,
+        stride_pg, stride_mr, stride_mg, BUDGET, SINK, WINDOW, BLOCK_SIZE, NUM_TOP, MODE,
+        WRITE_POS, HAS_PAGE_MAP,
     )
 
 
@@ -182,6 +200,7 @@ def _topk_assemble_kernel(
     CAND,
     SLOTS,
     POSITIONS,
+    PAGE_MAP,
     stride_scb,
     stride_scg,
     stride_r2t,
@@ -193,6 +212,8 @@ def _topk_assemble_kernel(
     stride_sg,
     stride_pb,
     stride_pg,
+    stride_mr,
+    stride_mg,
     BUDGET: tl.constexpr,
     SINK: tl.constexpr,
     WINDOW: tl.constexpr,
@@ -208,6 +229,7 @@ def _topk_assemble_kernel(
     RESIDENT: tl.constexpr,
     RADIX_BITS: tl.constexpr,
     EARLY_EXIT: tl.constexpr,
+    HAS_PAGE_MAP: tl.constexpr,
 ):
     """The last top-k of the selection and the slot assembly of its row, in one program per
     (request, kv head): the winners go to TOP (global scratch, re-read from L1/L2 after a CTA
@@ -223,8 +245,9 @@ def _topk_assemble_kernel(
         j = t * ASM_BLOCK + tl.arange(0, ASM_BLOCK)
         _assemble_tile(
             b, g, j, REQ_TO_TOKEN, REQ_POOL_INDICES, SEQ_LENS, TOP, CAND, SLOTS, POSITIONS,
-            stride_r2t, stride_tb, stride_tg, stride_cb, stride_cg, stride_sb, stride_sg,
-            stride_pb, stride_pg, BUDGET, SINK, WINDOW, BLOCK_SIZE, NUM_TOP, MODE, WRITE_POS,
+            PAGE_MAP, stride_r2t, stride_tb, stride_tg, stride_cb, stride_cg, stride_sb,
+            stride_sg, stride_pb, stride_pg, stride_mr, stride_mg, BUDGET, SINK, WINDOW,
+            BLOCK_SIZE, NUM_TOP, MODE, WRITE_POS, HAS_PAGE_MAP,
         )
 
 
@@ -344,9 +367,20 @@ def select_slots_batched(
     channels: Tensor | None = None,
     workspace: SparseDecodeWorkspace | None = None,
     return_positions: bool = False,
+    page_map: Tensor | None = None,
+    on_blocks: Callable[[Tensor], None] | None = None,
+    attend_blocks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Step 1-2 of the pipeline: the ``budget`` KV slots (int32 ``[B, Hkv, budget]``, ``-1``
-    padded) each (request, kv head) attends; with ``return_positions`` also their positions."""
+    padded) each (request, kv head) attends; with ``return_positions`` also their positions.
+
+    The CPU tier (:mod:`sglang_ext.memory_tier`) hooks in with three optional arguments
+    (quest and two_level only): ``page_map`` (int32 ``[rows, Hkv, max_blocks]``) addresses
+    keys by per-head device page instead of ``req_to_token`` (blocks not resident are
+    skipped); ``on_blocks(blocks)`` is called with the block filter's result ``[B, Hkv, k]``
+    before the token stage (to fetch or prefetch those blocks); ``attend_blocks`` replaces
+    that result for the rest of the step (the blocks chosen at the previous step, already
+    resident: the asynchronous mode)."""
     batch, num_q_heads, _ = q.shape
     num_kv_heads = k_buffer.shape[1]
     if workspace is None:
@@ -363,12 +397,16 @@ def select_slots_batched(
         if channels.stride(-1) != 1:
             channels = channels.contiguous()
 
+    tiered = page_map is not None or on_blocks is not None or attend_blocks is not None
+    if tiered and ws.mode not in (_MODE_BLOCKS, _MODE_CAND_TOKENS):
+        raise ValueError(f"the CPU tier needs a block filter (quest or two_level), not {params.method}")
     top, cand = ws.slots, ws.slots  # dummies for unused pointers
     final = None  # (scores, k, out) of the last top-k when it is fused with the assembly
 
     def run_topk(scores, k, out, last):
         nonlocal final
-        if last and ws.fuse_assemble:
+        # The tier needs the block filter's result before the assembly: no fusion then.
+        if last and ws.fuse_assemble and not (tiered and ws.mode == _MODE_BLOCKS):
             final = (scores, k, out)
             return out
         return topk_masked(scores, k, out=out, impl=ws.topk_impl,
@@ -383,12 +421,16 @@ def select_slots_batched(
             precision=ws.block_score_precision,
         )
         top = cand = run_topk(scores, ws.k_blocks, ws.top_blocks[:batch], not ws.k_tokens)
+        if on_blocks is not None:
+            on_blocks(top)
+        if attend_blocks is not None:
+            top = cand = attend_blocks[:batch]
     if ws.k_tokens:
         tok_scores, _ = label_token_scores_batched(
             q, k_buffer, req_to_token, req_pool_indices, seq_lens,
             cand if ws.mode == _MODE_CAND_TOKENS else None, bs, params.sink, params.window,
             channels=channels, num_blocks=ws.max_blocks, scores_out=ws.token_scores[:batch],
-            return_positions=False,
+            return_positions=False, page_map=page_map,
         )
         top = run_topk(tok_scores, ws.k_tokens, ws.top_tokens[:batch], True)
 
@@ -397,14 +439,17 @@ def select_slots_batched(
     if batch:
         common = (
             req_to_token, req_pool_indices, seq_lens, top, cand, slots, positions,
+            page_map if page_map is not None else slots,
             req_to_token.stride(0), top.stride(0), top.stride(1), cand.stride(0),
             cand.stride(1), slots.stride(0), slots.stride(1), positions.stride(0),
             positions.stride(1),
+            page_map.stride(0) if page_map is not None else 0,
+            page_map.stride(1) if page_map is not None else 0,
         )
         consts = dict(
             BUDGET=params.budget, SINK=params.sink, WINDOW=params.window, BLOCK_SIZE=bs,
             NUM_TOP=ws.k_blocks if ws.mode == _MODE_BLOCKS else ws.k_tokens, MODE=ws.mode,
-            WRITE_POS=return_positions,
+            WRITE_POS=return_positions, HAS_PAGE_MAP=page_map is not None,
         )
         block = min(1024, triton.next_power_of_2(params.budget))
         if final is None:
@@ -413,7 +458,7 @@ def select_slots_batched(
         else:
             fscores, k, _ = final
             _topk_assemble_kernel[(batch, num_kv_heads)](
-                fscores, *common[:7], fscores.stride(0), fscores.stride(1), *common[7:],
+                fscores, *common[:8], fscores.stride(0), fscores.stride(1), *common[8:],
                 ASM_BLOCK=block, EARLY_EXIT=True, **consts,
                 **topk_launch_config(fscores.shape[-1], k, ws.topk_radix_bits),
             )
@@ -434,6 +479,9 @@ def sparse_decode_batched(
     channels: Tensor | None = None,
     workspace: SparseDecodeWorkspace | None = None,
     return_lse: bool = False,
+    page_map: Tensor | None = None,
+    on_blocks: Callable[[Tensor], None] | None = None,
+    attend_blocks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """One sparse decode step for a batch: ``out [B, Hq, Dv]`` in q's dtype (and the float32
     LSE ``[B, Hq]`` with ``return_lse``).
@@ -444,6 +492,8 @@ def sparse_decode_batched(
     page summaries (:mod:`block_summary`; unused by ds); ``channels`` long ``[Hkv, r]`` label
     channels or None (all channels). Pages must have ``page_size == params.block_size``.
     With a ``workspace`` the result is a view of its buffers (valid until the next call).
+    ``page_map``/``on_blocks``/``attend_blocks``: the CPU tier's hooks, see
+    :func:`select_slots_batched` (the attention then reads the per-head device slots).
     """
     batch, num_q_heads, _ = q.shape
     if workspace is None:
@@ -454,7 +504,8 @@ def sparse_decode_batched(
     workspace.check(batch, num_q_heads, k_buffer.shape[1], v_buffer.shape[2], params, q.dtype)
     slots = select_slots_batched(
         q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, kmax, params,
-        channels=channels, workspace=workspace,
+        channels=channels, workspace=workspace, page_map=page_map, on_blocks=on_blocks,
+        attend_blocks=attend_blocks,
     )
     out, lse = sparse_attention_batched(
         q, k_buffer, v_buffer, slots, sm_scale,

@@ -36,6 +36,7 @@ def _label_token_scores_kernel(
     CHANNELS,
     SCORES,
     POSITIONS,
+    PAGE_MAP,
     num_cand,
     sink,
     window,
@@ -51,6 +52,8 @@ def _label_token_scores_kernel(
     stride_og,
     stride_pb,
     stride_pg,
+    stride_mr,
+    stride_mg,
     BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     NUM_CH: tl.constexpr,
@@ -59,6 +62,7 @@ def _label_token_scores_kernel(
     ALL_BLOCKS: tl.constexpr,
     HAS_CHANNELS: tl.constexpr,
     WRITE_POS: tl.constexpr,
+    HAS_PAGE_MAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -79,7 +83,15 @@ def _label_token_scores_kernel(
         ).to(tl.int64)
     pos = blk * BLOCK_SIZE + (t % BLOCK_SIZE)
     valid = in_range & (blk >= 0) & (pos >= sink) & (pos < hi)
-    slot = tl.load(REQ_TO_TOKEN + row * stride_r2t + pos, mask=valid, other=0).to(tl.int64)
+    if HAS_PAGE_MAP:
+        # CPU tier: the block's device page for this kv head (-1: not resident, skipped).
+        page = tl.load(
+            PAGE_MAP + row * stride_mr + g * stride_mg + blk, mask=valid, other=-1
+        ).to(tl.int64)
+        valid = valid & (page >= 0)
+        slot = page * BLOCK_SIZE + (t % BLOCK_SIZE)
+    else:
+        slot = tl.load(REQ_TO_TOKEN + row * stride_r2t + pos, mask=valid, other=0).to(tl.int64)
 
     r = tl.arange(0, BLOCK_CH)
     rmask = r < NUM_CH
@@ -127,13 +139,17 @@ def label_token_scores_batched(
     scores_out: Tensor | None = None,
     positions_out: Tensor | None = None,
     return_positions: bool = True,
+    page_map: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Token scores of the candidate blocks of every (request, kv head).
 
     ``q`` ``[B, Hq, D]``; ``k_buffer`` ``[num_slots, Hkv, D]``; ``cand`` int ``[B, Hkv, C]``
     block ids (``-1`` = none) or None for all ``num_blocks`` blocks; ``channels`` long
     ``[Hkv, r]`` or None (all channels). Returns ``(scores [B, Hkv, C*bs] float32,
-    positions [B, Hkv, C*bs] int32 or None)``.
+    positions [B, Hkv, C*bs] int32 or None)``. With ``page_map`` (int32 ``[rows, Hkv,
+    max_blocks]``, the CPU tier's per-head device page of each block, ``-1`` = not resident)
+    keys are read through it instead of ``req_to_token``; blocks that are not resident score
+    ``-inf``.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -183,6 +199,7 @@ def label_token_scores_batched(
         channels if channels is not None else dummy,
         scores_out,
         positions_out if positions_out is not None else dummy,
+        page_map if page_map is not None else dummy,
         num_cand,
         sink,
         window,
@@ -198,6 +215,8 @@ def label_token_scores_batched(
         scores_out.stride(1),
         positions_out.stride(0) if positions_out is not None else 0,
         positions_out.stride(1) if positions_out is not None else 0,
+        page_map.stride(0) if page_map is not None else 0,
+        page_map.stride(1) if page_map is not None else 0,
         BLOCK_SIZE=block_size,
         GROUP=group,
         NUM_CH=num_ch,
@@ -206,6 +225,7 @@ def label_token_scores_batched(
         ALL_BLOCKS=cand is None,
         HAS_CHANNELS=channels is not None,
         WRITE_POS=positions_out is not None,
+        HAS_PAGE_MAP=page_map is not None,
         num_warps=4,
     )
     return scores_out, positions_out

@@ -1,4 +1,5 @@
-"""ReqToTokenPool: record each request's sparse settings under its row; forget them on free.
+"""ReqToTokenPool: record each request's sparse settings under its row; forget them (and release
+the CPU tier's device pages of the row) on free.
 
 ``free`` is the single point every exit (finish, abort, retract) goes through.
 """
@@ -20,6 +21,12 @@ def _after_alloc(result: Any, pool: Any, reqs: list, *args: Any, **kwargs: Any) 
 
 def _before_free(pool: Any, req: Any, *args: Any, **kwargs: Any) -> None:
     request_overrides.forget(pool, req.req_pool_idx)
+    from sglang_ext.memory_tier.tiered_pool import active_pool
+
+    tiered = active_pool()
+    if tiered is not None and req.req_pool_idx is not None:
+        # The CPU tier's staging, window and working-set pages of this request.
+        tiered.release_row(req.req_pool_idx, pool.req_to_token)
 
 
 HOOKS = (

@@ -12,6 +12,7 @@ from sglang_ext.config import BACKEND_NAME
 logger = logging.getLogger(__name__)
 
 _CONFIG_ATTR = "_sglang_ext_config"
+TIER_DEFAULT_MAX_RUNNING = 32  # --max-running-requests with the CPU tier unless given
 _active: sparse_config.SparseConfig | None = None  # this process's config
 _active_impl: str | None = None  # the decode implementation this server runs, once known
 
@@ -119,6 +120,9 @@ def _force_compatible_settings(server_args: Any, cfg: sparse_config.SparseConfig
     impl = resolve_impl(cfg, server_args.device)
     if impl == "triton" and server_args.device == "cpu":
         raise SystemExit("sglang_ext: --sparse-impl triton needs a CUDA device (use reference on CPU)")
+    if impl == "triton" and cfg.locality_blocks > 0:
+        raise SystemExit("sglang_ext: --sparse-locality-blocks runs in the reference decode for now "
+                         "(add --sparse-impl reference)")
     if impl == "reference" and not server_args.disable_cuda_graph and server_args.device != "cpu":
         # The reference decode loops over requests on the host: not capturable.
         changes["disable_cuda_graph"] = True
@@ -130,6 +134,21 @@ def _force_compatible_settings(server_args: Any, cfg: sparse_config.SparseConfig
                 f"--sparse-block-size {cfg.block_size}; blocks are KV pages on CUDA"
             )
         changes["page_size"] = cfg.block_size
+    if cfg.tier != "off":
+        if getattr(server_args, "enable_hierarchical_cache", False):
+            raise SystemExit("sglang_ext: --sparse-tier cannot be combined with "
+                             "--enable-hierarchical-cache (two host tiers would fight over KV ids)")
+        if server_args.page_size != cfg.block_size:
+            if server_args.page_size not in (None, 1):
+                raise SystemExit(
+                    f"sglang_ext: --page-size {server_args.page_size} differs from "
+                    f"--sparse-block-size {cfg.block_size}; the CPU tier moves whole pages"
+                )
+            changes["page_size"] = cfg.block_size
+        if server_args.max_running_requests is None:
+            # The tier reserves a working set per running request and keeps per-row page maps:
+            # SGLang's default (thousands of rows) would spend the GPU on them.
+            changes["max_running_requests"] = TIER_DEFAULT_MAX_RUNNING
     if changes:
         logger.info("sglang_ext: overriding %s for sparse decode", changes)
         server_args.override("sglang_ext", **changes)

@@ -19,6 +19,8 @@ from sglang_ext.selection.reference import METHODS
 BACKEND_NAME = "sglang_ext"  # --attention-backend / --decode-attention-backend value
 DENSE_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 IMPLS = ("auto", "reference", "triton")
+TIER_MODES = ("off", "sync", "async")
+TIER_METHODS = ("quest", "two_level")  # the tier fetches what a block filter chose
 ENV_CONFIG = "SGLANG_EXT_CONFIG"  # JSON fallback for sgl.Engine(...), which rejects unknown kwargs
 
 
@@ -38,6 +40,11 @@ class SparseConfig:
     label_config: Optional[str] = None
     dense_backend: str = "auto"
     impl: str = "auto"
+    tier: str = "off"
+    tier_host_gb: float = 0.0  # 0 = auto: half of the host memory available at start-up
+    tier_gpu_tokens: int = 0  # 0 = auto: what the GPU holds after the working area
+    locality_blocks: int = 0  # NOSA k_e: query-agnostic blocks per kv head (0 = off)
+    eviction_score: str = "attention"
 
     @property
     def effective_candidate_blocks(self) -> int:
@@ -76,6 +83,25 @@ _FLAGS: tuple[tuple[str, str, str, str], ...] = (
     ("impl", "--sparse-impl", "{" + ",".join(IMPLS) + "}",
      "Decode implementation: reference (plain torch, per request; CPU default) or triton "
      "(batched kernels, CUDA graphs; CUDA default)."),
+    ("tier", "--sparse-tier", "{" + ",".join(TIER_MODES) + "}",
+     "CPU KV tier: off; async (AsyncTLS: each step attends the blocks chosen at the previous "
+     "step while this step's choice is fetched from host memory on a side stream); sync "
+     "(fetch inside the step: exactly the untiered selection). KV beyond the GPU's share "
+     "lives in pinned host memory; the GPU keeps sink/window pages and a working set per "
+     "request."),
+    ("tier_host_gb", "--sparse-tier-host-gb", "GB",
+     "Pinned host memory for the CPU tier's KV (0 = half of the memory available at "
+     "start-up)."),
+    ("locality_blocks", "--sparse-locality-blocks", "BLOCKS",
+     "two_level with NOSA's locality constraint: this many blocks per kv head are kept by a "
+     "query-agnostic eviction score, and a block once dropped never returns, so at least "
+     "that share of the attended blocks persists between steps (0 = off; reference decode)."),
+    ("eviction_score", "--sparse-eviction-score", "{attention,key_norm}",
+     "Score of the query-agnostic part: attention (decayed attention mass) or key_norm "
+     "(pooled key norms)."),
+    ("tier_gpu_tokens", "--sparse-tier-gpu-tokens", "TOKENS",
+     "KV slots homed on the GPU with the tier on (0 = all the GPU holds beside the tier's "
+     "working area); a small value forces requests onto the host (tests)."),
 )
 _FIELD_BY_FLAG = {flag: field for field, flag, _, _ in _FLAGS}
 _FLAG_BY_FIELD = {field: flag for field, flag, _, _ in _FLAGS}
@@ -132,6 +158,14 @@ def build_config(**values: Any) -> SparseConfig:
 
 def _coerce(field: str, value: Any, default: Any) -> Any:
     flag = _FLAG_BY_FIELD[field]
+    if isinstance(default, float):
+        try:
+            out = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{flag} must be a number (got {value!r})") from None
+        if out != out or out in (float("inf"), float("-inf")):
+            raise ConfigError(f"{flag} must be a finite number (got {value!r})")
+        return out
     if isinstance(default, int) and not isinstance(default, bool):
         if isinstance(value, bool):
             raise ConfigError(f"{flag} must be an integer (got {value!r})")
@@ -173,3 +207,51 @@ def _validate(cfg: SparseConfig) -> None:
         fail("label_channels", "must be >= 1")
     if cfg.label_config is not None and not os.path.isfile(cfg.label_config):
         fail("label_config", "is not a readable file")
+    if cfg.tier not in TIER_MODES:
+        fail("tier", f"must be one of {', '.join(TIER_MODES)}")
+    if cfg.tier_host_gb < 0:
+        fail("tier_host_gb", "must be >= 0 (0 = auto)")
+    if cfg.locality_blocks < 0:
+        fail("locality_blocks", "must be >= 0 (0 = off)")
+    if cfg.eviction_score not in ("attention", "key_norm"):
+        fail("eviction_score", "must be one of attention, key_norm")
+    if cfg.locality_blocks > 0:
+        if cfg.method != "two_level":
+            fail("locality_blocks", "needs --sparse-method two_level")
+        if cfg.locality_blocks * cfg.block_size > cfg.budget - cfg.sink - cfg.window:
+            raise ConfigError(
+                f"--sparse-locality-blocks x --sparse-block-size must fit in the selected part of "
+                f"the budget ({cfg.budget - cfg.sink - cfg.window} tokens) "
+                f"(got {cfg.locality_blocks} x {cfg.block_size})"
+            )
+    if cfg.tier_gpu_tokens < 0:
+        fail("tier_gpu_tokens", "must be >= 0 (0 = auto)")
+    if cfg.tier != "off":
+        if cfg.method not in TIER_METHODS:
+            raise ConfigError(
+                f"--sparse-tier needs a block-filtering --sparse-method ({', '.join(TIER_METHODS)}); "
+                f"{cfg.method} scores every token, which the host tier cannot serve (got {cfg.method!r})"
+            )
+        available = _available_host_gb()
+        if available is not None and cfg.tier_host_gb > available:
+            raise ConfigError(
+                f"--sparse-tier-host-gb {cfg.tier_host_gb:g} exceeds the {available:.1f} GB of "
+                f"host memory available"
+            )
+
+
+def _available_host_gb() -> Optional[float]:
+    try:
+        import psutil
+
+        return psutil.virtual_memory().available / 1e9
+    except Exception:  # psutil missing: SGLang depends on it, but stay usable without
+        return None
+
+
+def tier_host_bytes(cfg: SparseConfig) -> int:
+    """Bytes of pinned host memory the tier may use (the auto default resolved)."""
+    if cfg.tier_host_gb > 0:
+        return int(cfg.tier_host_gb * 1e9)
+    available = _available_host_gb()
+    return int((available or 8.0) * 0.5 * 1e9)

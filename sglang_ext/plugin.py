@@ -15,12 +15,15 @@ _registered = False
 def _patch_modules() -> list:
     from sglang_ext.patches import (
         attention_registry,
+        kv_cache_configurator,
+        paged_allocator,
         req_to_token_pool,
         sampling_params,
         server_args,
     )
 
-    return [server_args, attention_registry, sampling_params, req_to_token_pool]
+    return [server_args, attention_registry, sampling_params, req_to_token_pool,
+            kv_cache_configurator, paged_allocator]
 
 
 def register() -> None:

@@ -29,8 +29,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_env() -> dict[str, str]:
+def server_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
     env = dict(os.environ)
+    env.update(extra or {})
     env.pop("TRITON_INTERPRET", None)  # set by conftest for the kernel tests, not for servers
     env["SGLANG_USE_CPU_ENGINE"] = "1"  # without it the rotary embedding imports vLLM ops
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -47,6 +48,7 @@ def launch_command(args: list[str], port: int) -> list[str]:
 @dataclass
 class Server:
     args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     process: Optional[subprocess.Popen] = None
     log_path: str = ""
@@ -60,7 +62,7 @@ class Server:
         log = os.fdopen(fd, "w")
         self.process = subprocess.Popen(
             launch_command(self.args, self.port), stdout=log, stderr=subprocess.STDOUT,
-            env=server_env(), start_new_session=True,
+            env=server_env(self.env), start_new_session=True,
         )
         deadline = time.time() + timeout
         while time.time() < deadline:

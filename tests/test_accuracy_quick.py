@@ -48,7 +48,9 @@ def test_exact_token_length(tokenizer, corpus, task, context):
         assert n == s.prompt_tokens
         assert abs(n - context) <= T.tolerance(task), (task, context, index, n)
         assert s.prompt.startswith("<|im_start|>") and "<|im_start|>assistant\n" in s.prompt
-        assert s.max_new_tokens == T.MAX_NEW_TOKENS[task]
+        # the expected answer's length (+ slack), within the task's cap
+        assert s.max_new_tokens == T.answer_limit(tokenizer, task, s.answers) <= T.MAX_NEW_TOKENS[task]
+        assert s.max_new_tokens >= T.count_tokens(tokenizer, " " + ", ".join(s.answers))
 
 
 @pytest.mark.parametrize("task", T.TASKS)

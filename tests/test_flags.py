@@ -25,6 +25,13 @@ from server_utils import LABELS, free_port, launch_command, server_env
         ({"label_channels": 0}, "--sparse-label-channels"),
         ({"label_config": "/nonexistent.json"}, "--sparse-label-config"),
         ({"dense_backend": "fa9"}, "--sparse-dense-backend"),
+        ({"tier": "on"}, "--sparse-tier"),
+        ({"tier": "async", "method": "ds"}, "--sparse-tier"),
+        ({"tier_host_gb": "lots"}, "--sparse-tier-host-gb"),
+        ({"tier_host_gb": "nan"}, "--sparse-tier-host-gb"),
+        ({"tier_host_gb": -1}, "--sparse-tier-host-gb"),
+        ({"tier": "sync", "tier_host_gb": 1e9}, "--sparse-tier-host-gb"),
+        ({"tier_gpu_tokens": -16}, "--sparse-tier-gpu-tokens"),
     ],
 )
 def test_invalid_values_name_the_flag(values, flag):
@@ -55,7 +62,8 @@ def test_help_lists_our_flags():
     assert out.returncode == 0
     for flag in ("--sparse-budget", "--sparse-block-size", "--sparse-candidate-blocks",
                  "--sparse-sink", "--sparse-window", "--sparse-label-channels",
-                 "--sparse-method", "--sparse-label-config"):
+                 "--sparse-method", "--sparse-label-config", "--sparse-tier",
+                 "--sparse-tier-host-gb", "--sparse-tier-gpu-tokens"):
         assert flag in out.stdout
     assert "sglang_ext" in out.stdout  # the backend name is an allowed --attention-backend
 
@@ -65,6 +73,8 @@ BAD_LAUNCHES = [
     (["--sparse-block-size", "24"], "--sparse-block-size"),
     (["--sparse-method", "random"], "--sparse-method"),
     (["--sparse-budget", "64", "--sparse-sink", "32", "--sparse-window", "64"], "--sparse-budget"),
+    (["--sparse-tier", "async", "--sparse-method", "ds"], "--sparse-tier"),
+    (["--sparse-tier", "sync", "--sparse-tier-host-gb", "100000"], "--sparse-tier-host-gb"),
 ]
 
 

@@ -1,18 +1,21 @@
-"""Accuracy suite driver: start a CPU SGLang server with our backend, run the tasks, stop it.
+"""Accuracy suite driver: start CPU SGLang servers with our backend, run the tasks, stop them.
 
-    python -m benchmarks.accuracy.driver --quick            # ~2 min: passkey@1024, 3 samples
-    python -m benchmarks.accuracy.driver                    # the full default run (hours on CPU)
+    python -m benchmarks.accuracy.driver --quick            # ~1 min: passkey@1024, 3 samples
+    python -m benchmarks.accuracy.driver                    # the full default run (~45-60 min)
     python -m benchmarks.accuracy.driver --server-url http://127.0.0.1:30000 --tasks passkey
 
-One server with ``--attention-backend sglang_ext`` evaluates dense attention and every
-(method, budget): each request carries its settings in ``custom_params`` and the radix cache
-reuses each sample's prefill. ``--reference`` also starts SGLang's own torch_native backend
-afterwards and runs the dense requests there (row method ``torch_native``, with the share of
-outputs identical to our dense override). Servers are stopped on exit, Ctrl-C and SIGTERM;
-``--time-limit`` bounds the run (it stops between chunks and keeps the rows done so far).
+A server with ``--attention-backend sglang_ext`` evaluates dense attention and every
+(method, budget): each request carries its settings in ``custom_params``. Per sample, one
+request prefills the prompt into the radix cache, then all settings decode it together in one
+batch. On a CPU the driver starts one server per two cores' worth of work (``--servers``, 2 by
+default, one torch thread each: the decode step is many small ops that a second thread barely
+speeds up) and splits the samples between them. ``--reference`` also starts SGLang's own
+torch_native backend afterwards and runs the dense requests there (row method ``torch_native``,
+with the share of outputs identical to our dense override). Servers are stopped on exit, Ctrl-C
+and SIGTERM; ``--time-limit`` bounds the run (it stops taking samples and keeps the rows done).
 
-Before running, the driver times one prefill and one sparse decode on the largest context and
-prints the estimated duration of this run and of the full default run.
+Before running, the driver runs the first sample of the largest context alone, timing its
+prefill and its decode, and prints the estimated duration of this run and of the full default run.
 """
 
 from __future__ import annotations
@@ -46,23 +49,23 @@ DEFAULT_SAMPLES = 20
 # Blocks of 4 tokens on this CPU model: with 64-dim heads the min/max bound of 16-token blocks
 # is too loose to rank a needle's block (see the README, "Measured").
 DEFAULT_BLOCK_SIZE = 4
-QUICK = dict(tasks=["passkey"], contexts=[1024], methods=["two_level"], budgets=[128], samples=3)
+QUICK = dict(tasks=["passkey"], contexts=[1024], methods=["two_level"], budgets=[128], samples=3,
+             servers=1)
 
-# Time model behind the printed estimate, scaled from the probe (one prefill and one decode
-# on the largest context of the run; T0 = that context):
-#   prefill(T)  = probe_prefill * (T / T0) * (1 + T / PREFILL_KNEE) / (1 + T0 / PREFILL_KNEE)
-#   decode step = probe_step * (1 + T / DECODE_KNEE) / (1 + T0 / DECODE_KNEE)
-#   decode time = requests * OUTPUT_FILL * max_new_tokens * step / batch speed-up
+# Time model behind the printed estimate, scaled from the probe (the first sample of the
+# largest context T0, alone on one server: its prefill, and its decode = every setting at once):
+#   prefill(T)       = probe_prefill * (T / T0) * (1 + T / PREFILL_KNEE) / (1 + T0 / PREFILL_KNEE)
+#   decode(T, task)  = probe_decode * (limit(task) / limit(probe task)) * (n_settings / probe's)
+#                      * (1 + T / DECODE_KNEE) / (1 + T0 / DECODE_KNEE)
+#   total            = sum over samples / servers
 # PREFILL_KNEE: for this model (576 wide, 30 layers) attention FLOPs match the linear layers'
-# at ~8k tokens. DECODE_KNEE: on the 2-core CPU the per-request attention + selection of the
-# reference decode path costs ~30 ms/step at 1k tokens and ~130 ms at 4k, on top of ~140 ms
-# of fixed per-step work. OUTPUT_FILL: answers end (EOS) before max_new_tokens (passkey: 8 of
-# 12). Checked against a quick run (estimate 11 s, actual 8 s) and a passkey@2048 run on a
-# loaded machine (2.4 min vs 3.2 min): expect +-50%.
+# at ~8k tokens. DECODE_KNEE: a decode step of 13 requests on one core took ~0.42 s at 1k and
+# ~0.72 s at 4k tokens (selection and attention grow with the context, the rest does not).
 PREFILL_KNEE = 8192.0
-DECODE_KNEE = 4096.0
-OUTPUT_FILL = 0.8
-BATCH_SPEEDUP_PER_EXTRA_REQUEST = 0.5  # decode throughput gain of each extra concurrent request
+DECODE_KNEE = 3072.0
+# Server flags for the suite: no prefill chunking up to the largest context (torch_native's
+# extend recomputes attention over the whole prefix for every chunk).
+SUITE_SERVER_ARGS = ["--chunked-prefill-size", "8192", "--max-running-requests", "64"]
 
 
 def sparse_server_args(block_size: int) -> list[str]:
@@ -71,10 +74,10 @@ def sparse_server_args(block_size: int) -> list[str]:
     args = ["--attention-backend", "sglang_ext", "--sparse-block-size", str(block_size)]
     if os.path.exists(LABELS):
         args += ["--sparse-label-config", LABELS]
-    return args
+    return args + SUITE_SERVER_ARGS
 
 
-REFERENCE_ARGS = ["--attention-backend", "torch_native"]
+REFERENCE_ARGS = ["--attention-backend", "torch_native"] + SUITE_SERVER_ARGS
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -91,10 +94,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="tokens per block (4 for this CPU model; 16 is the GPU default)")
     p.add_argument("--sink", type=int, default=R.DEFAULT_SINK, help="max sink (<= budget/8)")
     p.add_argument("--window", type=int, default=R.DEFAULT_WINDOW, help="max window (<= budget/4)")
-    p.add_argument("--parallel", type=int, default=2, help="concurrent requests (2-4)")
+    p.add_argument("--servers", type=int, default=2,
+                   help="servers started (each gets cores/servers torch threads); "
+                        "with --server-url, the URLs given")
+    p.add_argument("--parallel", type=int, default=2,
+                   help="samples in flight per server (each sends all its settings at once)")
     p.add_argument("--quick", action="store_true",
-                   help="passkey@1024, 3 samples, dense + two_level@128 (overrides the above)")
-    p.add_argument("--server-url", default=None, help="use this running server, start none")
+                   help="passkey@1024, 3 samples, dense + two_level@128, one server "
+                        "(overrides the above)")
+    p.add_argument("--server-url", nargs="+", default=None,
+                   help="use these running servers, start none")
     p.add_argument("--reference", action="store_true",
                    help="also run the dense requests on SGLang's torch_native backend")
     p.add_argument("--out", default=DEFAULT_OUT, help="results JSON (merged); .md and .png beside it")
@@ -109,8 +118,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             setattr(args, k, v)
     if args.samples < 1 or any(c < 64 for c in args.contexts) or any(b < 2 for b in args.budgets):
         p.error("need --samples >= 1, contexts >= 64 tokens, budgets >= 2")
-    if not 1 <= args.parallel <= 16:
-        p.error("--parallel must be in 1..16")
+    if not 1 <= args.parallel <= 16 or not 1 <= args.servers <= 8:
+        p.error("--parallel must be in 1..16, --servers in 1..8")
     return args
 
 
@@ -126,15 +135,32 @@ class ServerGuard:
         self.servers: list[Server] = []
         self._interrupted = False
 
-    def start(self, args: list[str], what: str) -> Server:
-        print(f"[accuracy] starting {what} server: {' '.join(args)}", flush=True)
+    def start(self, args: list[str], what: str, count: int = 1) -> list[Server]:
+        """Start ``count`` servers with ``args`` at once; return them when all are healthy."""
+        print(f"[accuracy] starting {count} {what} server(s): {' '.join(args)}", flush=True)
         t0 = time.time()
-        server = Server(args)
-        self.servers.append(server)
-        server.start()
-        print(f"[accuracy] {what} server up at {server.url} in {time.time() - t0:.0f}s "
-              f"(log {server.log_path})", flush=True)
-        return server
+        servers = [Server(args) for _ in range(count)]
+        self.servers += servers
+        errors: list[BaseException] = []
+
+        def start_one(server: Server) -> None:
+            try:
+                server.start()
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                errors.append(e)
+
+        threads = [threading.Thread(target=start_one, args=(sv,), daemon=True) for sv in servers]
+        for th in threads:
+            th.start()
+        for th in threads:
+            while th.is_alive():
+                th.join(timeout=0.5)
+        if errors:
+            raise errors[0]
+        for sv in servers:
+            print(f"[accuracy] {what} server up at {sv.url} in {time.time() - t0:.0f}s "
+                  f"(log {sv.log_path})", flush=True)
+        return servers
 
     def stop_all(self) -> None:
         for s in self.servers:
@@ -173,49 +199,26 @@ class ServerGuard:
 # --------------------------------------------------------------------------------------
 
 
-def probe(url: str, samples: Sequence[T.Sample], settings: Sequence[R.Setting]) -> dict:
-    """Time one dense prefill and a 12-token decode under the last (largest) sparse setting,
-    on the first sample of the largest context (its prefill is reused by the run)."""
-    sample = max(samples, key=lambda s: s.context)
-    sample = next(s for s in samples if s.context == sample.context)
-
-    def gen(custom, n):
-        t0 = time.time()
-        sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
-        if custom is not None:
-            sp["custom_params"] = custom
-        r = requests.post(url + "/generate", json={"text": sample.prompt, "sampling_params": sp},
-                          timeout=900)
-        r.raise_for_status()
-        return time.time() - t0, r.json()["meta_info"]
-
-    t_prefill, meta = gen(settings[0].custom_params, 1)
-    if meta.get("cached_tokens", 0) > sample.prompt_tokens // 2:
-        # Already cached (a server that ran these prompts): time a fresh prefill instead.
-        requests.post(url + "/flush_cache", timeout=60)
-        t_prefill, meta = gen(settings[0].custom_params, 1)
-    steps = 12
-    t_dec, meta2 = gen(settings[-1].custom_params, steps + 1)
-    return {"context": sample.context, "prefill_s": t_prefill,
-            "step_s": t_dec / max(1, meta2.get("completion_tokens", steps + 1))}
+def probe_samples(samples: Sequence[T.Sample], n: int) -> list[T.Sample]:
+    """The first ``n`` samples of the largest context (the probe runs them; results are kept)."""
+    top = max(s.context for s in samples)
+    return [s for s in samples if s.context == top][:n]
 
 
-def estimate_seconds(p: dict, tasks: Sequence[str], contexts: Sequence[int], samples: int,
-                     n_settings: int, parallel: int) -> dict:
+def estimate_seconds(p: dict, samples: Sequence[T.Sample], n_settings: int, servers: int) -> dict:
+    """Seconds for ``samples`` (with their own answer limits) from the probe ``p``."""
     t0 = p["context"]
 
     def prefill(t: int) -> float:
         return p["prefill_s"] * (t / t0) * (1 + t / PREFILL_KNEE) / (1 + t0 / PREFILL_KNEE)
 
-    def step(t: int) -> float:
-        return p["step_s"] * (1 + t / DECODE_KNEE) / (1 + t0 / DECODE_KNEE)
+    def decode(t: int, limit: int) -> float:
+        return (p["decode_s"] * (limit / p["limit"]) * (n_settings / p["settings"])
+                * (1 + t / DECODE_KNEE) / (1 + t0 / DECODE_KNEE))
 
-    speedup = 1 + BATCH_SPEEDUP_PER_EXTRA_REQUEST * (max(1, parallel) - 1)
-    pre = sum(samples * prefill(c) for _ in tasks for c in contexts)
-    dec = sum(samples * n_settings * OUTPUT_FILL * T.MAX_NEW_TOKENS[task] * step(c) / speedup
-              for task in tasks for c in contexts)
-    return {"prefill": pre, "decode": dec, "total": pre + dec,
-            "requests": len(tasks) * len(contexts) * samples * n_settings}
+    pre = sum(prefill(s.context) for s in samples) / servers
+    dec = sum(decode(s.context, s.max_new_tokens) for s in samples) / servers
+    return {"prefill": pre, "decode": dec, "total": pre + dec, "requests": len(samples) * n_settings}
 
 
 def _hm(seconds: float) -> str:
@@ -252,72 +255,102 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "machine": R.machine_description(),
     }
     outputs = None
+    threads_per_server = max(1, (os.cpu_count() or 1) // args.servers)
     try:
         if args.server_url:
-            url = args.server_url.rstrip("/")
-            server_desc = f"external: {url}"
+            urls = [u.rstrip("/") for u in args.server_url]
+            server_desc = f"external: {' '.join(urls)}"
         else:
             server_args = sparse_server_args(args.block_size)
-            url = guard.start(server_args, "sglang_ext").url
-            server_desc = "driver: " + " ".join(server_args)
-        info = R.server_info(url)
+            # One torch (OpenMP) thread per core and server, so servers do not preempt each other.
+            os.environ["OMP_NUM_THREADS"] = str(threads_per_server)
+            urls = [sv.url for sv in guard.start(server_args, "sglang_ext", args.servers)]
+            server_desc = (f"driver: {args.servers} x ({' '.join(server_args)}), "
+                           f"OMP_NUM_THREADS={threads_per_server}")
+        info = R.server_info(urls[0])
         backend = info.get("attention_backend") or info.get("decode_attention_backend")
         if "sglang_ext" not in (info.get("attention_backend"), info.get("decode_attention_backend")):
             print(f"[accuracy] WARNING: the server's attention backend is {backend!r}, not "
                   "sglang_ext: sparse settings will be ignored", file=sys.stderr, flush=True)
 
-        p = probe(url, samples, settings)
-        est = estimate_seconds(p, args.tasks, args.contexts, args.samples, len(settings), args.parallel)
-        full = estimate_seconds(p, T.TASKS, DEFAULT_CONTEXTS, DEFAULT_SAMPLES,
-                                1 + len(R.METHODS) * len(DEFAULT_BUDGETS), args.parallel)
-        print(f"[accuracy] probe @{p['context']} tokens: prefill {p['prefill_s']:.1f}s "
-              f"({p['context'] / p['prefill_s']:.0f} tok/s), decode {p['step_s'] * 1000:.0f} ms/token",
-              flush=True)
-        print(f"[accuracy] estimate for this run: {_hm(est['total'])} "
-              f"(prefill {_hm(est['prefill'])}, decode {_hm(est['decode'])}, {est['requests']} requests)",
-              flush=True)
+        config = {
+            "tasks": args.tasks, "contexts": args.contexts, "samples": args.samples,
+            "methods": args.methods, "budgets": args.budgets, "block_size": args.block_size,
+            "sink_max": args.sink, "window_max": args.window, "candidate_blocks": "auto",
+            "servers": len(urls), "samples_in_flight_per_server": args.parallel,
+            "server": server_desc, "attention_backend": backend,
+            "kv_pool_tokens": R.kv_pool_tokens(info),
+            "haystack": T.corpus_text()[1], "scoring": T.SCORING,
+            "max_new_tokens": {t: T.MAX_NEW_TOKENS[t] for t in args.tasks},
+            "max_new_tokens_rule": f"per sample: expected answer's tokens (inline or listed, "
+                                   f"whichever is longer) + {T.ANSWER_SLACK}, at most the above",
+            "quick": bool(args.quick),
+        }
+
+        def save(rows):
+            R.write_results(args.out, rows, {**header, "config": config}, plot=not args.no_plot)
+
+        # Probe: the first samples of the largest context, two per server one after the other
+        # (a server's first requests run slow); the second ones are timed. Results are kept.
+        probe = probe_samples(samples, 2 * len(urls))
+        first = probe[-1]
+        run_t0 = time.time()
+        timings: list[tuple[float, float]] = []
+        probe_run = R.run_suite(urls, probe, settings, in_flight=1, progress=False,
+                                on_sample=lambda s, pre, dec: timings.append((pre, dec)))
+        timed = timings[len(urls):] or timings
+        p = {"context": first.context, "task": first.task, "limit": first.max_new_tokens,
+             "settings": len(settings),
+             "prefill_s": sorted(t[0] for t in timed)[len(timed) // 2],
+             "decode_s": sorted(t[1] for t in timed)[len(timed) // 2]}
+        rest = [s for s in samples if all(s is not q for q in probe)]
+        est = estimate_seconds(p, rest, len(settings), len(urls))
+        full_samples = T.make_samples(T.TASKS, DEFAULT_CONTEXTS, DEFAULT_SAMPLES, tokenizer) \
+            if (list(args.tasks), list(args.contexts), args.samples) != (list(T.TASKS), list(DEFAULT_CONTEXTS), DEFAULT_SAMPLES) \
+            else samples
+        full_n = 1 + len(R.METHODS) * len(DEFAULT_BUDGETS)
+        full = estimate_seconds(p, full_samples, full_n, args.servers if not args.server_url else len(urls))
+        print(f"[accuracy] probe {first.task}@{first.context}: prefill {p['prefill_s']:.1f}s "
+              f"({first.context / p['prefill_s']:.0f} tok/s), decode of {len(settings)} settings "
+              f"x <= {first.max_new_tokens} tokens {p['decode_s']:.1f}s", flush=True)
+        print(f"[accuracy] estimate for the rest of this run: {_hm(est['total'])} "
+              f"(prefill {_hm(est['prefill'])}, decode {_hm(est['decode'])}, {est['requests']} "
+              f"requests on {len(urls)} server(s))", flush=True)
         print(f"[accuracy] estimate for the full default run (7 tasks x 1024/2048/4096 x 20 samples x "
               f"13 settings): {_hm(full['total'])} (prefill {_hm(full['prefill'])}, decode "
               f"{_hm(full['decode'])}, {full['requests']} requests)", flush=True)
+        config["estimate_seconds"] = round(est["total"] + p["prefill_s"] + p["decode_s"], 1)
+        config["probe"] = {k: round(v, 3) if isinstance(v, float) else v for k, v in p.items()}
 
         limit = args.time_limit * 60 if args.time_limit > 0 else 3 * est["total"] + 600
         deadline = time.time() + limit
         watchdog = guard.watchdog(limit + 600)
         print(f"[accuracy] time limit {_hm(limit)} (hard stop 10 min later)", flush=True)
 
-        config = {
-            "tasks": args.tasks, "contexts": args.contexts, "samples": args.samples,
-            "methods": args.methods, "budgets": args.budgets, "block_size": args.block_size,
-            "sink_max": args.sink, "window_max": args.window, "candidate_blocks": "auto",
-            "parallel": args.parallel, "server": server_desc,
-            "attention_backend": backend, "kv_pool_tokens": R.kv_pool_tokens(info),
-            "haystack": T.corpus_text()[1], "scoring": T.SCORING,
-            "max_new_tokens": {t: T.MAX_NEW_TOKENS[t] for t in args.tasks},
-            "quick": bool(args.quick),
-            "estimate_seconds": round(est["total"], 1),
-            "probe": {k: round(v, 4) if isinstance(v, float) else v for k, v in p.items()},
-        }
-
-        def save(rows):
-            R.write_results(args.out, rows, {**header, "config": config}, plot=not args.no_plot)
-
-        run_t0 = time.time()
-        run = R.run_suite(url, samples, settings, parallel=args.parallel, deadline=deadline,
+        run = R.run_suite(urls, rest, settings, in_flight=args.parallel, deadline=deadline,
                           on_rows=save)
-        outputs = run.results
+        results = probe_run.results + run.results
+        rows = R.make_rows(sorted(results, key=lambda r: (r.sample.task, r.sample.context, r.sample.index)),
+                           settings)
+        outputs = results
         config["run_seconds"] = round(time.time() - run_t0, 1)
+        config["prefill_seconds_summed"] = round(probe_run.prefill_seconds + run.prefill_seconds, 1)
+        save(rows)
 
         if args.reference and not run.stopped_early:
             if not args.server_url:
-                guard.servers[-1].stop()  # one server at a time on a small machine
-            ref_url = guard.start(REFERENCE_ARGS, "torch_native").url
+                for sv in guard.servers:
+                    sv.stop()  # one kind of server at a time on a small machine
+            ref_urls = [sv.url for sv in guard.start(REFERENCE_ARGS, "torch_native", args.servers)] \
+                if not args.server_url else urls
             ref_setting = [R.Setting("torch_native", 0, None)]
-            done = {(r.sample.task, r.sample.context, r.sample.index) for r in run.results}
-            ref = R.run_suite(ref_url, [s for s in samples if (s.task, s.context, s.index) in done],
-                              ref_setting, parallel=args.parallel, deadline=deadline)
-            R.add_agreement(ref.rows, ref.results, run.results)
+            done = {(r.sample.task, r.sample.context, r.sample.index) for r in results}
+            ref = R.run_suite(ref_urls, [s for s in samples if (s.task, s.context, s.index) in done],
+                              ref_setting, in_flight=args.parallel, prefill_first=False,
+                              deadline=deadline)
+            R.add_agreement(ref.rows, ref.results, results)
             save(ref.rows)
-            outputs = run.results + ref.results
+            outputs = results + ref.results
             print("[accuracy] torch_native vs our dense override, identical outputs: " + ", ".join(
                 f"{r['task']}@{r['context']} {r['same_as_dense']:.0f}%" for r in ref.rows), flush=True)
 
@@ -326,7 +359,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(md)
         md_path, png_path = R.output_paths(args.out)
         print(f"[accuracy] wrote {args.out}, {md_path}" + ("" if args.no_plot else f", {png_path}"))
-        print(f"[accuracy] run {_hm(config['run_seconds'])} (estimated {_hm(est['total'])}), "
+        print(f"[accuracy] run {_hm(config['run_seconds'])} (estimated {_hm(config['estimate_seconds'])}), "
               f"wall {_hm(config['wall_seconds'])}", flush=True)
         if run.stopped_early:
             print("[accuracy] time limit reached: rows hold the samples done so far", file=sys.stderr)
@@ -345,7 +378,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     f.write(json.dumps({"task": r.sample.task, "context": r.sample.context,
                                         "index": r.sample.index, "method": r.setting.method,
                                         "budget": r.setting.budget, "answers": r.sample.answers,
-                                        "output": r.output, "credit": r.credit}) + "\n")
+                                        "output": r.output, "credit": r.credit,
+                                        "completion_tokens": r.meta.get("completion_tokens")}) + "\n")
 
 
 if __name__ == "__main__":

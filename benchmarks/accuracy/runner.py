@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import subprocess
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -158,17 +159,21 @@ class SuiteRun:
     rows: list[dict]
     results: list[Result]
     stopped_early: bool
+    prefill_seconds: float = 0.0  # summed wall time of the samples' prefill (warm-up) requests
 
 
-def _run_requests(endpoint: SparseRuntimeEndpoint, items: list[tuple[T.Sample, Setting]],
-                  parallel: int, bar: Optional[tqdm]) -> list[Result]:
+DENSE_OVERRIDE = {"sparse": {"method": DENSE}}
+
+
+def _run_requests(endpoint: SparseRuntimeEndpoint, items: list[tuple[T.Sample, Setting]]) -> list[Result]:
+    """All ``items`` at once (one thread each), so that the server decodes them in one batch."""
     if not items:
         return []
     batch = [{"prompt": s.prompt, "max_tokens": s.max_new_tokens, "custom_params": st.custom_params}
              for s, st in items]
+    states = answer_program.run_batch(batch, backend=endpoint, num_threads=len(batch),
+                                      progress_bar=False)
     out = []
-    states = answer_program.run_batch(batch, backend=endpoint, num_threads=max(1, parallel),
-                                      generator_style=True, progress_bar=False)
     for (sample, setting), state in zip(items, states):
         err = state.error()
         if err is not None:
@@ -177,9 +182,16 @@ def _run_requests(endpoint: SparseRuntimeEndpoint, items: list[tuple[T.Sample, S
         text = state["answer"]
         meta = state.get_meta_info("answer") or {}
         out.append(Result(sample, setting, text, T.score(sample, text), meta))
-        if bar is not None:
-            bar.update(1)
     return out
+
+
+def _prefill(endpoint: SparseRuntimeEndpoint, sample: T.Sample, custom_params: Optional[dict]) -> None:
+    """Put ``sample``'s prompt into the server's radix cache: a one-token request."""
+    state = answer_program.run(prompt=sample.prompt, max_tokens=1, custom_params=custom_params,
+                               backend=endpoint)
+    err = state.error()
+    if err is not None:
+        raise RuntimeError(f"{sample.task}@{sample.context} #{sample.index} prefill: {err}")
 
 
 def group_samples(samples: Iterable[T.Sample]) -> "OrderedDict[tuple[str, int], list[T.Sample]]":
@@ -189,52 +201,94 @@ def group_samples(samples: Iterable[T.Sample]) -> "OrderedDict[tuple[str, int], 
     return groups
 
 
-def chunk_size(context: int, parallel: int, pool_tokens: int) -> int:
-    """Samples prefilled together: at most `parallel`, and their prompts fill at most half of
-    the KV pool, so they stay in the radix cache while every setting decodes them."""
-    return max(1, min(parallel, (pool_tokens // 2) // max(1, context)))
+def run_suite(urls: "str | Sequence[str]", samples: Sequence[T.Sample], settings: Sequence[Setting],
+              *, in_flight: int = 2, prefill_first: bool = True, deadline: Optional[float] = None,
+              progress: bool = True, on_rows: Optional[Callable[[list[dict]], None]] = None,
+              on_sample: Optional[Callable[[T.Sample, float, float], None]] = None) -> SuiteRun:
+    """Run every sample under every setting, on one or more servers.
 
-
-def run_suite(url: str, samples: Sequence[T.Sample], settings: Sequence[Setting], *,
-              parallel: int = 2, deadline: Optional[float] = None, progress: bool = True,
-              on_rows: Optional[Callable[[list[dict]], None]] = None) -> SuiteRun:
-    """Run every sample under every setting (the first one prefills: put dense first).
-
-    ``deadline`` (time.time()) stops between chunks; rows then hold the samples done so far.
-    ``on_rows`` receives the rows of each finished (task, context) group.
+    Per sample: one request prefills the prompt (``prefill_first``; it decodes one token
+    densely), then every setting is sent at once, so each extends the cached prompt by its last
+    token and the server decodes all of them in one batch, the first token included on the same
+    (dense) path. Each server works on ``in_flight`` samples at a time (one prefills while
+    another decodes). Samples are taken in order; ``deadline`` (time.time()) stops taking new
+    ones, and rows then hold the samples done. ``on_rows`` receives the rows of each finished
+    (task, context) group; ``on_sample(sample, prefill_s, decode_s)`` each finished sample.
     """
     global_config.enable_precache_with_tracing = False  # our prefixes are per sample
-    endpoint = SparseRuntimeEndpoint(url)
-    pool = kv_pool_tokens(server_info(url))
+    urls = [urls] if isinstance(urls, str) else list(urls)
+    endpoints = [SparseRuntimeEndpoint(u) for u in urls]
     groups = group_samples(samples)
+    remaining = {key: len(group) for key, group in groups.items()}
+    by_group: dict[tuple[str, int], list[Result]] = {key: [] for key in groups}
+    todo = list(samples)
+    todo.reverse()  # pop() takes them in order
+    lock = threading.Lock()
     bar = tqdm(total=len(samples) * len(settings), unit="req", disable=not progress,
-               dynamic_ncols=True)
+               dynamic_ncols=True, smoothing=0.05)
     all_rows: list[dict] = []
     all_results: list[Result] = []
-    stopped = False
+    state = {"stopped": False, "prefill": 0.0, "error": None}
+
+    def take() -> Optional[T.Sample]:
+        with lock:
+            if state["error"] is not None or not todo:
+                return None
+            if deadline is not None and time.time() > deadline:
+                state["stopped"] = True
+                return None
+            return todo.pop()
+
+    def worker(endpoint: SparseRuntimeEndpoint) -> None:
+        try:
+            while (sample := take()) is not None:
+                t0 = time.time()
+                if prefill_first:
+                    _prefill(endpoint, sample, settings[0].custom_params)
+                t1 = time.time()
+                results = _run_requests(endpoint, [(sample, st) for st in settings])
+                t2 = time.time()
+                with lock:
+                    state["prefill"] += t1 - t0
+                    key = (sample.task, sample.context)
+                    by_group[key] += results
+                    remaining[key] -= 1
+                    bar.set_description(f"{sample.task}@{sample.context}", refresh=False)
+                    bar.update(len(results))
+                    if on_sample is not None:
+                        on_sample(sample, t1 - t0, t2 - t1)
+                    if remaining[key] == 0:
+                        rows = make_rows(sorted(by_group[key], key=lambda r: r.sample.index), settings)
+                        all_rows.extend(rows)
+                        all_results.extend(by_group[key])
+                        if rows and on_rows is not None:
+                            on_rows(rows)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            with lock:
+                if state["error"] is None:
+                    state["error"] = e
+
+    threads = [threading.Thread(target=worker, args=(ep,), daemon=True)
+               for ep in endpoints for _ in range(max(1, in_flight))]
     try:
-        for (task, context), group in groups.items():
-            bar.set_description(f"{task}@{context}")
-            results: list[Result] = []
-            step = chunk_size(context, parallel, pool)
-            for i in range(0, len(group), step):
-                if deadline is not None and time.time() > deadline:
-                    stopped = True
-                    break
-                part = group[i:i + step]
-                results += _run_requests(endpoint, [(s, settings[0]) for s in part], parallel, bar)
-                results += _run_requests(endpoint, [(s, st) for s in part for st in settings[1:]],
-                                         parallel, bar)
-            rows = make_rows(results, settings)
-            all_rows += rows
-            all_results += results
-            if rows and on_rows is not None:
-                on_rows(rows)
-            if stopped:
-                break
+        for th in threads:
+            th.start()
+        for th in threads:
+            while th.is_alive():
+                th.join(timeout=0.5)
     finally:
         bar.close()
-    return SuiteRun(all_rows, all_results, stopped)
+    if state["error"] is not None:
+        raise state["error"]
+    # Groups cut short by the deadline: rows of the samples done.
+    for key, results in by_group.items():
+        if remaining[key] and results:
+            rows = make_rows(sorted(results, key=lambda r: r.sample.index), settings)
+            all_rows.extend(rows)
+            all_results.extend(results)
+            if on_rows is not None:
+                on_rows(rows)
+    return SuiteRun(all_rows, all_results, state["stopped"], state["prefill"])
 
 
 def _mean(xs: Sequence[float]) -> float:

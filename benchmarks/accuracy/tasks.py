@@ -46,17 +46,19 @@ TASKS = (
     "common_words",
 )
 
-# New tokens each task may generate: the answer plus a little slack (digits and UUID characters
-# are one token each for SmolLM2's tokenizer).
+# Upper bound of the new tokens each task may generate (digits and UUID characters are about
+# one token each for SmolLM2's tokenizer). A sample's own limit is tighter: see answer_limit.
 MAX_NEW_TOKENS = {
     "passkey": 12,
     "niah_number": 16,
     "niah_uuid": 44,
     "niah_multikey": 16,
-    "niah_multivalue": 40,
+    "niah_multivalue": 48,
     "var_tracking": 36,
     "common_words": 32,
 }
+# Tokens allowed beyond the expected answer written as a list (quotes, a closing period).
+ANSWER_SLACK = 2
 
 # Haystack tasks land exactly on the target (rarely off by one where a cut merges tokens);
 # the word list of common_words moves in whole entries of a few tokens.
@@ -89,6 +91,18 @@ class Sample:
 # --------------------------------------------------------------------------------------
 # Scoring
 # --------------------------------------------------------------------------------------
+
+
+def answer_limit(tokenizer: Any, task: str, answers: Sequence[str]) -> int:
+    """New tokens a sample may generate: its expected answer as the model writes it (" A." after
+    the prompt's answer prefix; several answers as "A, B, C" or as a list "\n\n1. A\n2. B ...",
+    whichever is longer), plus ANSWER_SLACK, at most MAX_NEW_TOKENS[task]. Decoding dominates
+    the suite's run time, and a model that has not written the answer by then is not going to."""
+    need = count_tokens(tokenizer, " " + ", ".join(answers) + ".")
+    if len(answers) > 1:
+        listed = "\n\n" + "\n".join(f"{i + 1}. {a}" for i, a in enumerate(answers))
+        need = max(need, count_tokens(tokenizer, listed))
+    return min(MAX_NEW_TOKENS[task], need + ANSWER_SLACK)
 
 
 def _word_pattern(answer: str) -> re.Pattern[str]:
@@ -351,7 +365,7 @@ def _haystack_sample(task: str, context: int, index: int, tokenizer: Any, corpus
     depths = _depths(rng, len(needles))
     head, tail = chat_frame(tokenizer, instruction, question, prefix)
     prompt, n, offsets, body = fit_haystack(tokenizer, corpus, rng, context, head, tail, needles, depths)
-    return Sample(task, context, index, prompt, answers, MAX_NEW_TOKENS[task], n,
+    return Sample(task, context, index, prompt, answers, answer_limit(tokenizer, task, answers), n,
                   tuple(needles), tuple(offsets), tuple(depths), body)
 
 
@@ -409,7 +423,8 @@ def _common_words_sample(context: int, index: int, tokenizer: Any, rng: random.R
             best = cand
     _, prompt, n, _ = best
     return Sample("common_words", context, index, prompt, tuple(common),
-                  MAX_NEW_TOKENS["common_words"], n, body=(len(head), len(prompt) - len(tail)))
+                  answer_limit(tokenizer, "common_words", common), n,
+                  body=(len(head), len(prompt) - len(tail)))
 
 
 def make_sample(task: str, context: int, index: int, tokenizer: Any, corpus: Corpus | None = None) -> Sample:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One self-contained run on the GPU host (see ../shared/gpu/README.md): unpack the SGLang bundle,
 # install this repo, then the named steps. Results land in $OUT (or benchmarks/results).
-# Usage: bash benchmarks/device/run.sh COMMIT STEP...   steps: env gputests operator server e2e
+# Usage: bash benchmarks/device/run.sh COMMIT STEP...   steps: env gputests operator tier transfer server e2e
 set -uo pipefail
 export SGLANG_EXT_COMMIT=${1:?commit}; shift
 OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"
@@ -20,6 +20,10 @@ for step in "$@"; do
       python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tail -25 || status=1 ;;
     operator)
       python3 benchmarks/bench_operator.py --check --out "$OUT" ${OPERATOR_ARGS:-} || status=1 ;;
+    tier)
+      python3 benchmarks/bench_tier.py --check --out "$OUT" ${TIER_ARGS:-} || status=1 ;;
+    transfer)
+      python3 benchmarks/bench_transfer.py --out "$OUT" ${TRANSFER_ARGS:-} || status=1 ;;
     server)
       python3 benchmarks/e2e_serving.py --out "$OUT" --configs sglang_ext --input-len 32768 \
         --output-len 128 --num-prompts 4 --concurrency 4 --extra "--mem-fraction-static 0.75" \

@@ -76,6 +76,20 @@ def record(req_to_token_pool: Any, reqs: list, base: SparseConfig) -> None:
 def forget(req_to_token_pool: Any, row: Optional[int]) -> None:
     if row is not None:
         _table(req_to_token_pool).pop(row, None)
+        row_state(req_to_token_pool).pop(row, None)
+
+
+_STATE_ATTR = "_sglang_ext_row_state"
+
+
+def row_state(req_to_token_pool: Any) -> dict[int, Any]:
+    """Per-row decode state of the backend (e.g. the locality constraint's), dropped with the
+    row's sparse settings when the request leaves."""
+    table = getattr(req_to_token_pool, _STATE_ATTR, None)
+    if table is None:
+        table = {}
+        setattr(req_to_token_pool, _STATE_ATTR, table)
+    return table
 
 
 def lookup(req_to_token_pool: Any, row: int, default: SelectionParams) -> RequestSparsity:

@@ -16,7 +16,9 @@ Two decode implementations (``--sparse-impl``):
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -29,8 +31,10 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang_ext.attention import request_overrides
 from sglang_ext.attention.request_overrides import RequestSparsity
 from sglang_ext.config import SparseConfig
+from sglang_ext.memory_tier.tiered_pool import TieredKVPool
 from sglang_ext.selection import select_token_mask, sparse_attention
 from sglang_ext.selection.calibrate import load_label_config
+from sglang_ext.selection.reference import BatchedSparseDecode
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -38,6 +42,8 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+TIER_LOG_EVERY = 256  # decode steps between two log lines of the CPU tier's counters
+LOCALITY_LOG_EVERY = 512  # (request, layer) selections between two locality log lines
 
 
 @dataclass
@@ -63,10 +69,12 @@ class PageSummaries:
 
         k0 = pool.get_key_buffer(pool.start_layer)
         dtype = cls.summary_dtype(k0.dtype)
+        # Summaries are keyed by logical page: with the CPU tier that is more than the device.
+        num_slots = getattr(pool, "logical_size", k0.shape[0] - page_size) + page_size
         kmin, kmax = [], []
         for _ in range(pool.layer_num):
             lo, hi = allocate_block_summaries(
-                k0.shape[0], k0.shape[1], k0.shape[2], page_size, device, dtype=dtype
+                num_slots, k0.shape[1], k0.shape[2], page_size, device, dtype=dtype
             )
             kmin.append(lo)
             kmax.append(hi)
@@ -85,6 +93,8 @@ class DecodeMetadata:
     req_pool_indices: list[int]
     seq_lens: list[int]
     sparsity: list[RequestSparsity]  # per request: its selection params, None = dense
+    # The sparse requests' batched selection (index work shared by all layers), built lazily.
+    sparse_plan: Optional[tuple[torch.Tensor, BatchedSparseDecode]] = None
 
 
 class SparseDecodeBackend(AttentionBackend):
@@ -108,6 +118,24 @@ class SparseDecodeBackend(AttentionBackend):
         self.label_channels = self._load_label_channels(model_runner, config)
         self.summaries: Optional[PageSummaries] = None
         self._workspaces: list[Any] = []
+        # The CPU tier (--sparse-tier): KV addressed through its pool's homes and page maps.
+        self.tiered: Optional[TieredKVPool] = (
+            self.token_to_kv_pool if isinstance(self.token_to_kv_pool, TieredKVPool) else None
+        )
+        self._tier_verify = self.tiered is not None and self.tiered.verify >= 2
+        self._tier_steps = 0
+        self._locality_steps = 0
+        self._tier_metrics = None
+        if self.tiered is not None and getattr(model_runner.server_args, "enable_metrics", False):
+            from sglang_ext.memory_tier.metrics import TierMetrics
+
+            pool = self.tiered
+            self._tier_metrics = TierMetrics(
+                page_bytes=pool.layout.page_size * (pool.head_dim + pool.v_head_dim)
+                * pool.k_buffer[0].element_size())
+        if self.tiered is not None:
+            self.tiered.bind(self.req_to_token_pool.req_to_token)
+            self.needs_cpu_seq_lens = True  # host-side lengths start a request's decoding
         if self.impl == "triton":
             page_size = model_runner.server_args.page_size
             if page_size != config.block_size:
@@ -149,13 +177,20 @@ class SparseDecodeBackend(AttentionBackend):
             name = self.config.dense_backend
             if name == "auto":
                 name = "torch_native" if self.device == "cpu" else "triton"
-            self._dense = ATTENTION_BACKENDS[name](self.model_runner)
+            runner = self.model_runner
+            if self.tiered is not None:
+                # The dense backend reads prefixes through req_to_token: give it the table of
+                # device rows (writes are translated by the pool itself).
+                runner = _WithReqToToken(runner, self.tiered.dev_req_to_token)
+            self._dense = ATTENTION_BACKENDS[name](runner)
         return self._dense
 
     # --------------------------------------------------------------- metadata
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         mode = forward_batch.forward_mode
+        if self.tiered is not None and not mode.is_idle():
+            self._prepare_tier(forward_batch)
         if mode.is_decode_or_idle():
             if mode.is_idle() or self.impl == "triton":
                 # The kernels read req_pool_indices / seq_lens from the batch on the device.
@@ -175,6 +210,38 @@ class SparseDecodeBackend(AttentionBackend):
             )
         else:
             self._dense_backend().init_forward_metadata(forward_batch)
+
+    def _prepare_tier(self, forward_batch: ForwardBatch) -> None:
+        """Host-side tier work before a batch: stage prefill pages (extend), start decoding
+        requests whose prefill is done and map each decode token's block (decode)."""
+        pool = self.tiered
+        req_to_token = self.req_to_token_pool.req_to_token
+        if forward_batch.forward_mode.is_decode():
+            pending = pool.pending_rows()
+            if pending:  # requests decoding for the first time (one host sync, then none)
+                for row in forward_batch.req_pool_indices.tolist():
+                    if row in pending:
+                        pool.start_decoding(req_to_token, row)
+            pool.map_decode_tokens(req_to_token, forward_batch.req_pool_indices,
+                                   forward_batch.seq_lens, forward_batch.out_cache_loc)
+            self._tier_steps += 1
+            log_now = self._tier_steps % TIER_LOG_EVERY == 0
+            metrics_now = self._tier_metrics is not None and \
+                self._tier_steps % self._tier_metrics.every == 0
+            if log_now or metrics_now:  # reading the counters syncs: rarely
+                occupancy = pool.occupancy()
+                if metrics_now:
+                    self._tier_metrics.update(occupancy)
+                if log_now:
+                    logger.info("sglang_ext tier stats: %s", json.dumps(occupancy))
+            if self._tier_verify:
+                pool.verify_mappings(req_to_token, forward_batch.req_pool_indices.tolist(),
+                                     forward_batch.seq_lens_cpu.tolist())
+        else:
+            pool.prepare_extend(
+                req_to_token, forward_batch.req_pool_indices.tolist(),
+                forward_batch.seq_lens_cpu.tolist(), list(forward_batch.extend_prefix_lens_cpu),
+            )
 
     # ------------------------------------------------------------ CUDA graphs
 
@@ -201,12 +268,80 @@ class SparseDecodeBackend(AttentionBackend):
         save_kv_cache: bool = True,
         **kwargs,
     ) -> torch.Tensor:
-        out = self._dense_backend().forward_extend(
-            q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs
-        )
+        if self._has_one_token_extends(layer, forward_batch):
+            out = self._forward_extend_one_token_rows(q, k, v, layer, forward_batch, save_kv_cache)
+        else:
+            out = self._dense_backend().forward_extend(
+                q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs
+            )
         if self.summaries is not None and save_kv_cache and k is not None:
             self._update_summaries(layer, k, forward_batch)
         return out
+
+    def _has_one_token_extends(self, layer: RadixAttention, forward_batch: ForwardBatch) -> bool:
+        """Whether this extend batch holds requests that extend a cached prefix by one token
+        (a prompt found in the radix cache but for its last token) on the torch_native delegate,
+        for plain causal self-attention."""
+        if self.impl != "reference" or forward_batch.encoder_lens is not None:
+            return False
+        if self.tiered is not None:  # reads the pool by logical slot: not with the tier
+            return False
+        if layer.is_cross_attention or getattr(layer, "sliding_window_size", -1) > -1:
+            return False
+        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+        from sglang.srt.layers.radix_attention import AttentionType
+
+        if layer.attn_type != AttentionType.DECODER:
+            return False
+        if not isinstance(self._dense_backend(), TorchNativeAttnBackend):
+            return False
+        ext, pre = forward_batch.extend_seq_lens_cpu, forward_batch.extend_prefix_lens_cpu
+        return ext is not None and pre is not None and any(
+            e == 1 and p > 0 for e, p in zip(ext, pre)
+        )
+
+    def _forward_extend_one_token_rows(
+        self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+        layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool,
+    ) -> torch.Tensor:
+        """torch_native's extend, except that a request extending a cached prefix by one token
+        attends like a decode step. torch_native runs causal SDPA over the whole sequence (the
+        prefix's query rows padded in) and keeps the last row: O(L^2) per request, seconds at 4k
+        tokens on a CPU, for one row whose SDPA over all L keys is the same computation (the
+        last causal row sees every key: exact attention, rounded differently in the last bits)."""
+        dense = self._dense_backend()
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(
+                layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v
+            )
+        q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        o_ = q.new_empty((q_.shape[0], layer.tp_q_head_num, layer.v_head_dim))
+        k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_buf = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        req_to_token = self.req_to_token_pool.req_to_token
+        rows = forward_batch.req_pool_indices.tolist()
+        seq_lens = forward_batch.seq_lens.tolist()
+        start = 0
+        for i, (ext, pre) in enumerate(
+            zip(forward_batch.extend_seq_lens_cpu, forward_batch.extend_prefix_lens_cpu)
+        ):
+            if ext == 1 and pre > 0:
+                slots = req_to_token[rows[i], : seq_lens[i]]
+                o_[start] = _dense_decode_like_sglang(
+                    q_[start], k_buf.index_select(0, slots), v_buf.index_select(0, slots),
+                    layer.scaling,
+                )
+            else:
+                sl = slice(i, i + 1)
+                dense._run_sdpa_forward_extend(
+                    q_[start : start + ext], o_[start : start + ext], k_buf, v_buf, req_to_token,
+                    forward_batch.req_pool_indices[sl], forward_batch.seq_lens[sl],
+                    forward_batch.extend_prefix_lens[sl], forward_batch.extend_seq_lens[sl],
+                    None, scaling=layer.scaling,
+                    enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num, causal=True,
+                )
+            start += ext
+        return o_.view(q_.shape[0], layer.tp_q_head_num * layer.v_head_dim)
 
     def forward_decode(
         self,
@@ -237,11 +372,22 @@ class SparseDecodeBackend(AttentionBackend):
         if save_kv_cache and k is not None:
             self._update_summaries(layer, k, forward_batch)
         channels = None if self.label_channels is None else self.label_channels[layer.layer_id]
+        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_buffer = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        req_to_token = self.req_to_token_pool.req_to_token
+        tier_args: dict[str, Any] = {}
+        tier = self.tiered.tier if self.tiered is not None else None
+        if tier is not None:
+            on_blocks, attend = tier.decode_hooks(
+                layer_index, forward_batch.req_pool_indices, req_to_token, k_buffer, v_buffer
+            )
+            tier_args = dict(page_map=tier.page_map(layer_index), on_blocks=on_blocks,
+                             attend_blocks=attend)
         out = sparse_decode_batched(
             q,
-            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            self.req_to_token_pool.req_to_token,
+            k_buffer,
+            v_buffer,
+            req_to_token,
             forward_batch.req_pool_indices,
             forward_batch.seq_lens,
             self.summaries.kmin[layer_index],
@@ -250,7 +396,13 @@ class SparseDecodeBackend(AttentionBackend):
             layer.scaling,
             channels=channels,
             workspace=self._ensure_workspace(q.shape[0]),
+            **tier_args,
         )
+        if tier is not None:
+            tier.after_layer(layer_index, forward_batch.req_pool_indices, req_to_token,
+                             k_buffer, v_buffer)
+            if layer.layer_id == self.token_to_kv_pool.end_layer - 1:
+                tier.finish_step()  # the fence: this step's prefetches land before the next
         # The workspace's output buffer is shared by all layers: hand back a copy.
         return out.reshape(q.shape[0], layer.tp_q_head_num * layer.v_head_dim).clone()
 
@@ -296,21 +448,101 @@ class SparseDecodeBackend(AttentionBackend):
         req_to_token = self.req_to_token_pool.req_to_token
         channels = None if self.label_channels is None else self.label_channels[layer.layer_id]
 
+        sparse = []  # sparse requests run together (BatchedSparseDecode) without the tier
         for i, (row, seq_len, params) in enumerate(
             zip(meta.req_pool_indices, meta.seq_lens, meta.sparsity)
         ):
+            local = self._uses_locality(params)
+            if self.tiered is None and params is not None and seq_len > params.budget \
+                    and not local:
+                sparse.append(i)
+                continue
             slots = req_to_token[row, :seq_len]
-            keys = k_buf[slots]  # [L, Hkv, D]
-            values = v_buf[slots]
+            if self.tiered is not None:  # host-homed tokens straight from host memory
+                keys, values = self.tiered.gather_tokens(layer.layer_id, slots)
+            else:
+                # index_select: the same tensor as k_buf[slots], an order of magnitude faster
+                keys = k_buf.index_select(0, slots)  # [L, Hkv, D]
+                values = v_buf.index_select(0, slots)
             if params is None or seq_len <= params.budget:
                 out[i] = _dense_decode_like_sglang(q[i], keys, values, layer.scaling)
+            elif local:
+                mask = self._select_with_locality(row, layer, q[i], keys, params, channels)
+                out[i] = sparse_attention(q[i], keys, values, mask, layer.scaling)
             else:
                 mask = select_token_mask(q[i], keys, params, channels)
                 out[i] = sparse_attention(q[i], keys, values, mask, layer.scaling)
+        if sparse:
+            # The same token sets as select_token_mask per request; the key-side work is done
+            # once per pool slot that requests share (a prompt decoded under many settings).
+            if meta.sparse_plan is None:
+                rows = torch.tensor([meta.req_pool_indices[i] for i in sparse], device=q.device)
+                meta.sparse_plan = (
+                    torch.tensor(sparse, device=q.device),
+                    BatchedSparseDecode(
+                        req_to_token.index_select(0, rows),
+                        [meta.seq_lens[i] for i in sparse],
+                        [meta.sparsity[i] for i in sparse],
+                    ),
+                )
+            index, plan = meta.sparse_plan
+            out[index] = plan.decode(q[index], k_buf, v_buf, layer.scaling, channels)
         return out.view(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+
+    def _uses_locality(self, params: RequestSparsity) -> bool:
+        return self.config.locality_blocks > 0 and params is not None \
+            and params.method == "two_level"
+
+    def _select_with_locality(self, row: int, layer: RadixAttention, q: torch.Tensor,
+                              keys: torch.Tensor, params: Any, channels: Any) -> torch.Tensor:
+        """NOSA's locality-constrained two_level (sglang_ext/selection/locality.py), with its
+        per-(request, layer) state kept under the request's row."""
+        from sglang_ext.selection.locality import (
+            LocalityState,
+            select_token_mask_locality,
+            update_eviction_scores,
+        )
+
+        states = request_overrides.row_state(self.req_to_token_pool).setdefault(row, {})
+        state = states.get(layer.layer_id)
+        if state is None:
+            state = states[layer.layer_id] = LocalityState(num_kv_heads=keys.shape[1])
+        cfg = self.config
+        mask = select_token_mask_locality(q, keys, params, state, cfg.locality_blocks, channels,
+                                          cfg.eviction_score)
+        if cfg.eviction_score == "attention":
+            update_eviction_scores(state, q, keys, mask, layer.scaling, params.block_size)
+        self._locality_steps += 1
+        if state.locality and self._locality_steps % LOCALITY_LOG_EVERY == 0:
+            recent = state.locality[-LOCALITY_LOG_EVERY:]
+            logger.info("sglang_ext locality: layer %d gamma mean %.3f min %.3f (k_e=%d)",
+                        layer.layer_id, sum(recent) / len(recent), min(recent),
+                        cfg.locality_blocks)
+        return mask
 
     def support_triton(self) -> bool:
         return self.device != "cpu"
+
+
+class _WithReqToToken:
+    """A model runner whose ``req_to_token_pool.req_to_token`` is another table (the tier's
+    device-row translation); everything else is the runner's."""
+
+    def __init__(self, runner: Any, table: torch.Tensor) -> None:
+        self._runner = runner
+        self.req_to_token_pool = _ReqPoolView(runner.req_to_token_pool, table)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+
+class _ReqPoolView:
+    def __init__(self, pool: Any, table: torch.Tensor) -> None:
+        self._pool = pool
+        self.req_to_token = table
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
 
 
 def resolve_impl(config: SparseConfig, device: Any) -> str:

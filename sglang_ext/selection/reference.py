@@ -253,3 +253,282 @@ def sparse_decode(
     """One sparse decode step: select each kv head's tokens, then attend over them."""
     mask = select_token_mask(q, keys, params, channels)
     return sparse_attention(q, keys, values, mask, sm_scale)
+
+
+# --------------------------------------------------------------------------------------
+# Many requests at once (the CPU serving path)
+# --------------------------------------------------------------------------------------
+
+
+def _top_k_rows(scores: Tensor, k: Tensor) -> Tensor:
+    """:func:`_top_k_mask` with a per-row ``k`` (long ``[R]``, each at most the row's finite
+    entries): bool mask of each row's ``k`` largest entries, ties going to the lower index."""
+    k_max = int(k.max()) if k.numel() else 0
+    if k_max == 0:
+        return torch.zeros_like(scores, dtype=torch.bool)
+    top = scores.topk(k_max, dim=1).values  # sorted, largest first
+    kth = top.gather(1, (k - 1).clamp(min=0)[:, None])
+    above = scores > kth
+    tied = scores == kth
+    remaining = k[:, None] - above.sum(dim=1, keepdim=True)
+    return (above | (tied & (tied.cumsum(dim=1) <= remaining))) & (k[:, None] > 0)
+
+
+def _families(slot_rows: Tensor, seq_lens: "list[int]") -> "list[list[int]]":
+    """Requests grouped by shared prompt: two requests are related when they hold the same pool
+    slot at the middle position of the shorter one (radix-cache sharing is by prefix).
+    Returns the connected groups, each in request order."""
+    n = len(seq_lens)
+    lengths = torch.tensor(seq_lens, device=slot_rows.device)
+    mid = (torch.minimum(lengths[:, None], lengths[None, :]) // 2).long()  # [B, B]
+    rows = slot_rows.long()
+    a = rows.gather(1, mid)  # a[i, j] = slot of request i at mid(i, j)
+    related = (a == a.T).tolist()
+    label = list(range(n))
+
+    def find(i: int) -> int:
+        while label[i] != i:
+            label[i] = label[label[i]]
+            i = label[i]
+        return i
+
+    for i in range(n):
+        for j in range(i + 1, n):
+            if related[i][j]:
+                ri, rj = find(i), find(j)
+                if ri != rj:
+                    label[max(ri, rj)] = min(ri, rj)
+    groups: dict = {}
+    for i in range(n):
+        groups.setdefault(find(i), []).append(i)
+    return list(groups.values())
+
+
+class BatchedSparseDecode:
+    """One decode step of many requests over one KV pool, each request selecting and attending
+    exactly as :func:`sparse_decode` would for it alone (the same token sets; sums may round
+    differently in the last bit), for the CPU serving path.
+
+    ``slot_rows`` (``[B, >= max(seq_lens)]``, the requests' ``req_to_token`` rows) maps each
+    position to its pool slot; every request must be longer than its budget. Requests that
+    share a prompt through the radix cache share pool slots: key-side work (label-channel keys,
+    block min/max) is done once per distinct slot / block, and per request only scores are
+    gathered. A block is identified by the slot of its last position (in SGLang a shared slot
+    implies a shared prefix); block sharing is verified and dropped if the slots disagree.
+
+    Build it once per step (the index work is the same for every layer), then call
+    :meth:`decode` per layer.
+    """
+
+    # Entries of a [requests x distinct slots] score matrix computed at once (memory bound).
+    MAX_SCORE_ENTRIES = 1 << 24
+
+    def __init__(self, slot_rows: Tensor, seq_lens: "list[int]", params: "list[SelectionParams]",
+                 split_families: bool = True):
+        if len(seq_lens) != len(params) or not seq_lens:
+            raise ValueError("need one SelectionParams per request and at least one request")
+        for n, p in zip(seq_lens, params):
+            if n <= p.budget:
+                raise ValueError(f"a request of {n} tokens is within its budget {p.budget}: dense")
+        dev = slot_rows.device
+        # Requests that share no prompt are scored separately (the scores are computed for every
+        # request x distinct slot of its part of the batch).
+        self.parts = None
+        if split_families and len(seq_lens) > 1:
+            family = _families(slot_rows, seq_lens)
+            if len(family) > 1:
+                self.parts = [
+                    (torch.tensor(members, dtype=torch.long, device=dev),
+                     BatchedSparseDecode(slot_rows[members], [seq_lens[i] for i in members],
+                                         [params[i] for i in members], split_families=False))
+                    for members in family
+                ]
+                return
+        self.batch = len(seq_lens)
+        self.max_len = max(seq_lens)
+        self.params = list(params)
+        lengths = torch.tensor(seq_lens, device=dev)
+        pos = torch.arange(self.max_len, device=dev)
+        valid = pos < lengths[:, None]
+        slots = slot_rows[:, : self.max_len].long()
+        slots = torch.where(valid, slots, slots[:, :1])  # padding: a slot of the request itself
+        self.slots = slots  # [B, Lmax]
+        self.uniq, self.inv = torch.unique(slots, return_inverse=True)  # [U], [B, Lmax]
+
+        sink = torch.tensor([p.sink for p in params], device=dev)
+        window = torch.tensor([p.window for p in params], device=dev)
+        lo, hi = sink, lengths - window
+        self.n_sel = torch.tensor([p.budget - p.sink - p.window for p in params], device=dev)
+        self.middle = (pos >= lo[:, None]) & (pos < hi[:, None])  # [B, Lmax]
+        self.always = valid & ~self.middle  # sink and window
+        self.methods = {m: torch.tensor([i for i, p in enumerate(params) if p.method == m],
+                                        dtype=torch.long, device=dev)
+                        for m in METHODS if any(p.method == m for p in params)}
+        self.uses_tokens = any(p.method != "quest" for p in params)
+        # Attention in groups of equal budget: each group gathers at most its budget per row.
+        by_budget: dict = {}
+        for i, p in enumerate(params):
+            by_budget.setdefault(p.budget, []).append(i)
+        self.attend_groups = [torch.tensor(m, dtype=torch.long, device=dev)
+                              for _, m in sorted(by_budget.items())]
+
+        # Block work per block size: requests, their blocks' distinct (shared) entries.
+        self.block_groups = []
+        for bs in sorted({p.block_size for p in params if p.method != "ds"}):
+            members = [i for i, p in enumerate(params) if p.method != "ds" and p.block_size == bs]
+            self.block_groups.append(self._block_group(bs, members, lengths, lo, hi))
+
+    def _block_group(self, bs: int, members: "list[int]", lengths: Tensor, lo: Tensor,
+                     hi: Tensor) -> dict:
+        dev = self.slots.device
+        b = torch.tensor(members, dtype=torch.long, device=dev)
+        n = lengths[b]
+        num_blocks = -(-self.max_len // bs)
+        nb = torch.arange(num_blocks, device=dev)
+        block_pos = nb[:, None] * bs + torch.arange(bs, device=dev)  # [NB, bs]
+        # Positions of each block, clipped to the request (a partial block repeats its last
+        # position, which leaves min/max unchanged).
+        bpos = torch.minimum(block_pos[None], (n - 1)[:, None, None])  # [Bg, NB, bs]
+        bslots = self.slots[b].gather(1, bpos.reshape(len(members), -1)).view(bpos.shape)
+        exists = nb[None] * bs < n[:, None]  # [Bg, NB]
+        key = torch.where(exists, bslots[..., -1], torch.full_like(bslots[..., -1], -1))
+        ukey, binv = torch.unique(key, return_inverse=True)
+        flat = bslots.reshape(-1, bs)
+        rep = torch.empty(ukey.numel(), dtype=torch.long, device=dev)
+        rep.scatter_(0, binv.reshape(-1), torch.arange(binv.numel(), device=dev))
+        same = (flat[rep[binv.reshape(-1)]] == flat).all(dim=1) | ~exists.reshape(-1)
+        if not bool(same.all()):  # slots shared out of prefix order: no block sharing
+            binv = torch.arange(binv.numel(), device=dev).view(binv.shape)
+            rep = binv.reshape(-1)
+        # Each distinct block's positions as indices into the distinct slots.
+        inv_g = self.inv[b].gather(1, bpos.reshape(len(members), -1)).view(-1, bs)
+        first = lo[b] // bs
+        last = (hi[b] - 1) // bs
+        cand = (nb[None] >= first[:, None]) & (nb[None] <= last[:, None])  # [Bg, NB]
+        num_cand = last - first + 1
+        kept = torch.tensor(
+            [self.params[i].budget - self.params[i].sink - self.params[i].window for i in members],
+            device=dev) // bs
+        is_two = torch.tensor([self.params[i].method == "two_level" for i in members], device=dev)
+        cands = torch.tensor([self.params[i].candidate_blocks for i in members], device=dev)
+        num_kept = torch.where(is_two, torch.minimum(cands, num_cand), kept)
+        return {"bs": bs, "members": b, "binv": binv, "block_u": inv_g[rep], "cand": cand,
+                "num_kept": num_kept, "block_of_pos": torch.arange(self.max_len, device=dev) // bs}
+
+    def _pairwise_max(self, qg: Tensor, keys_t: Tensor, idx: Tensor) -> Tensor:
+        """max over each kv head's query heads of ``qg @ keys_t``, gathered per request:
+        ``qg`` float [Hkv, B*G, C], ``keys_t`` float [Hkv, C, N], ``idx`` long [B, M] into N.
+        Returns float [Hkv, B, M]."""
+        num_kv, bg, _ = qg.shape
+        batch = idx.shape[0]
+        group = bg // batch
+        n = keys_t.shape[2]
+        step = max(1, self.MAX_SCORE_ENTRIES // max(1, num_kv * group * n))
+        out = []
+        for s in range(0, batch, step):
+            e = min(batch, s + step)
+            part = torch.bmm(qg[:, s * group : e * group], keys_t)  # [Hkv, b*G, N]
+            part = part.view(num_kv, e - s, group, n).amax(dim=2)  # [Hkv, b, N]
+            out.append(part.gather(2, idx[s:e][None].expand(num_kv, -1, -1)))
+        return torch.cat(out, dim=1)
+
+    def decode(self, q: Tensor, k_buf: Tensor, v_buf: Tensor, sm_scale: float,
+               channels: Tensor | None = None) -> Tensor:
+        """``q`` [B, Hq, D] -> [B, Hq, Dv] in q's dtype; ``k_buf``/``v_buf`` [slots, Hkv, D]."""
+        if self.parts is not None:
+            out = q.new_empty(q.shape[0], q.shape[1], v_buf.shape[-1])
+            for members, part in self.parts:
+                out[members] = part.decode(q[members], k_buf, v_buf, sm_scale, channels)
+            return out
+        batch, num_q_heads, dim = q.shape
+        num_kv = k_buf.shape[1]
+        group = num_q_heads // num_kv
+        neg_inf = float("-inf")
+        qg = q.float().reshape(batch, num_kv, group, dim).transpose(0, 1).reshape(num_kv, batch * group, dim)
+        ku = k_buf.index_select(0, self.uniq)  # [U, Hkv, D], distinct slots only
+        selected = torch.zeros(batch, num_kv, self.max_len, dtype=torch.bool, device=q.device)
+
+        tok_scores = None
+        if self.uses_tokens:
+            qs, ks = qg, ku
+            if channels is not None:
+                qs = qg.gather(2, channels[:, None, :].expand(-1, qg.shape[1], -1))
+                ks = ku.gather(2, channels[None].expand(ku.shape[0], -1, -1))
+            ks_t = ks.float().permute(1, 2, 0)  # [Hkv, C, U]
+            tok_scores = self._pairwise_max(qs, ks_t, self.inv).transpose(0, 1)  # [B, Hkv, Lmax]
+
+        for g in self.block_groups:
+            b, bs = g["members"], g["bs"]
+            kb = ku.index_select(0, g["block_u"].reshape(-1)).view(*g["block_u"].shape, *ku.shape[1:])  # [UB, bs, Hkv, D]
+            kmin = kb.amin(dim=1).float().permute(1, 2, 0)  # [Hkv, D, UB]
+            kmax = kb.amax(dim=1).float().permute(1, 2, 0)
+            qb = qg.view(num_kv, batch, group, dim)[:, b].reshape(num_kv, -1, dim)
+            bound = self._bound(qb, kmin, kmax, g["binv"])  # [Hkv, Bg, NB]
+            bound = bound.transpose(0, 1).masked_fill(~g["cand"][:, None], neg_inf)  # [Bg, Hkv, NB]
+            kept = _top_k_rows(bound.reshape(-1, bound.shape[-1]),
+                               g["num_kept"].repeat_interleave(num_kv)).view(bound.shape)
+            in_kept = kept[:, :, g["block_of_pos"]] & self.middle[b][:, None]  # [Bg, Hkv, Lmax]
+            is_quest = torch.tensor([self.params[i].method == "quest" for i in b.tolist()],
+                                    device=q.device)
+            quest_rows = is_quest.nonzero().squeeze(1)
+            if quest_rows.numel():
+                selected[b[quest_rows]] = in_kept[quest_rows]
+            two_rows = (~is_quest).nonzero().squeeze(1)
+            if two_rows.numel():
+                rows = b[two_rows]
+                s = tok_scores[rows].masked_fill(~in_kept[two_rows], neg_inf)
+                k = self.n_sel[rows].repeat_interleave(num_kv)
+                pick = _top_k_rows(s.reshape(-1, s.shape[-1]), k).view(s.shape)
+                selected[rows] = pick & in_kept[two_rows]
+
+        ds = self.methods.get("ds")
+        if ds is not None and ds.numel():
+            s = tok_scores[ds].masked_fill(~self.middle[ds][:, None], neg_inf)
+            k = self.n_sel[ds].repeat_interleave(num_kv)
+            selected[ds] = _top_k_rows(s.reshape(-1, s.shape[-1]), k).view(s.shape)
+
+        mask = selected | self.always[:, None]  # [B, Hkv, Lmax]
+        if len(self.attend_groups) == 1:
+            return self._attend(q, mask, self.slots, k_buf, v_buf, sm_scale)
+        out = q.new_empty(batch, num_q_heads, v_buf.shape[-1])
+        for members in self.attend_groups:
+            out[members] = self._attend(q[members], mask[members], self.slots[members], k_buf,
+                                        v_buf, sm_scale)
+        return out
+
+    @staticmethod
+    def _attend(q: Tensor, mask: Tensor, slots: Tensor, k_buf: Tensor, v_buf: Tensor,
+                sm_scale: float) -> Tensor:
+        """sparse_attention_with_lse of each request over its mask [B, Hkv, Lmax]."""
+        batch, num_q_heads, dim = q.shape
+        num_kv = mask.shape[1]
+        group = num_q_heads // num_kv
+        idx, valid = _mask_to_indices(mask.reshape(batch * num_kv, -1))  # [B*Hkv, n]
+        n = idx.shape[1]
+        slot = slots.gather(1, idx.view(batch, num_kv * n)).view(batch, num_kv, n)
+        flat = (slot * num_kv + torch.arange(num_kv, device=q.device)[None, :, None]).reshape(-1)
+        k_sel = k_buf.reshape(-1, k_buf.shape[-1]).index_select(0, flat).view(batch * num_kv, n, -1).float()
+        v_sel = v_buf.reshape(-1, v_buf.shape[-1]).index_select(0, flat).view(batch * num_kv, n, -1).float()
+        qh = q.float().reshape(batch * num_kv, group, dim)
+        scores = torch.bmm(qh, k_sel.transpose(1, 2)) * sm_scale  # [B*Hkv, G, n]
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - _zero_if_neg_inf(lse)[..., None])
+        out = torch.bmm(probs, v_sel)  # [B*Hkv, G, Dv]
+        return out.reshape(batch, num_q_heads, -1).to(q.dtype)
+
+    def _bound(self, qb: Tensor, kmin: Tensor, kmax: Tensor, binv: Tensor) -> Tensor:
+        """Quest bound of every request's blocks: [Hkv, Bg, NB] (as quest_block_scores)."""
+        num_kv, bg, _ = qb.shape
+        batch = binv.shape[0]
+        group = bg // batch
+        n = kmin.shape[2]
+        step = max(1, self.MAX_SCORE_ENTRIES // max(1, num_kv * group * n))
+        out = []
+        for s in range(0, batch, step):
+            e = min(batch, s + step)
+            qs = qb[:, s * group : e * group]
+            part = torch.bmm(qs.clamp(min=0), kmax) + torch.bmm(qs.clamp(max=0), kmin)
+            part = part.view(num_kv, e - s, group, n).amax(dim=2)
+            out.append(part.gather(2, binv[s:e][None].expand(num_kv, -1, -1)))
+        return torch.cat(out, dim=1)

@@ -1,0 +1,97 @@
+"""KVCacheConfigurator: with ``--sparse-tier`` on, size the logical KV space as GPU + host and
+build the tiered pool (sglang_ext/memory_tier/tiered_pool.py).
+
+Two AROUND hooks, inert unless the tier is on:
+
+* ``_derive_pool_sizes``: SGLang profiled ``D`` device KV slots; the tier splits them into
+  GPU-homed slots ``G`` and its working area ``W`` and adds ``H`` host-homed slots, so the
+  allocator, the scheduler's ``max_total_num_tokens`` and the invariant checker all see the
+  logical capacity ``G + H`` (consistently: the allocator class is SGLang's own);
+* ``_build_mha_kv_pool``: builds :class:`TieredKVPool` (``G + W`` device rows) instead of the
+  plain pool, with every argument SGLang passes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+logger = logging.getLogger(__name__)
+
+_layout = None  # this process's TierLayout, between the two hooks
+
+
+def _tier_config(configurator: Any) -> Optional[Any]:
+    from sglang_ext.patches.server_args import config_of, uses_sparse_backend
+
+    server_args = configurator.server_args
+    if not uses_sparse_backend(server_args):
+        return None
+    cfg = config_of(server_args)
+    return cfg if cfg.tier != "off" else None
+
+
+def _around_derive_pool_sizes(original: Callable, self: Any, *, config: Any) -> Any:
+    sizes = original(self, config=config)
+    cfg = _tier_config(self)
+    if cfg is None:
+        return sizes
+    import msgspec
+
+    from sglang_ext.attention.request_overrides import selection_params
+    from sglang_ext.config import tier_host_bytes
+    from sglang_ext.kernels.sparse_decode import _selection_plan
+    from sglang_ext.memory_tier.tiered_pool import plan_layout
+
+    global _layout
+    mc = self.model_config
+    from sglang.srt.mem_cache.kv_cache_configurator import get_parallel
+
+    heads = mc.get_num_kv_heads(get_parallel().attn_tp_size)
+    layers = self.layer_info.num_effective_layers
+    elem = self.kv_cache_dtype.itemsize if hasattr(self.kv_cache_dtype, "itemsize") else 2
+    bytes_per_token = layers * heads * (mc.head_dim + mc.v_head_dim) * elem
+    host_tokens = tier_host_bytes(cfg) // bytes_per_token
+    params = selection_params(cfg)
+    _, k_blocks, _ = _selection_plan(params, 1 << 30)
+    server_args = self.server_args
+    batch_tokens = max(server_args.max_prefill_tokens or 0, server_args.chunked_prefill_size or 0)
+    max_prefill = mc.context_len + batch_tokens
+    try:
+        _layout = plan_layout(
+            device_tokens=sizes.max_total_num_tokens, host_tokens=host_tokens,
+            page_size=cfg.block_size, max_running_requests=sizes.max_running_requests,
+            max_prefill_tokens=max_prefill, num_slots=max(k_blocks, 1), sink=cfg.sink,
+            window=cfg.window, summary_tokens_per_token=1.0 / cfg.block_size,
+            gpu_tokens=cfg.tier_gpu_tokens,
+        )
+    except ValueError as e:
+        raise SystemExit(f"sglang_ext: {e}") from None
+    logger.info("sglang_ext CPU tier: %s (SGLang profiled %d device slots)",
+                _layout.describe(), sizes.max_total_num_tokens)
+    return msgspec.structs.replace(sizes, max_total_num_tokens=_layout.logical_tokens)
+
+
+def _around_build_mha_kv_pool(original: Callable, self: Any, *, max_total_num_tokens: int,
+                              mha_pool_class: type, quant_method: Any = None) -> Any:
+    cfg = _tier_config(self)
+    if cfg is None or _layout is None:
+        return original(self, max_total_num_tokens=max_total_num_tokens,
+                        mha_pool_class=mha_pool_class, quant_method=quant_method)
+    from sglang_ext.memory_tier.tiered_pool import TieredKVPool
+
+    layout = _layout
+
+    def build(_logical_size: int, **kwargs: Any) -> TieredKVPool:
+        return TieredKVPool(layout=layout, mode=cfg.tier, **kwargs)
+
+    return original(self, max_total_num_tokens=max_total_num_tokens,
+                    mha_pool_class=build, quant_method=quant_method)
+
+
+HOOKS = (
+    ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._derive_pool_sizes",
+     _around_derive_pool_sizes, "AROUND"),
+    ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mha_kv_pool",
+     _around_build_mha_kv_pool, "AROUND"),
+)

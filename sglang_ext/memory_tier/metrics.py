@@ -1,0 +1,45 @@
+"""The CPU tier's counters in SGLang's Prometheus endpoint (``--enable-metrics``).
+
+SGLang runs prometheus_client in multiprocess mode, so metrics created in the scheduler process
+show up on the HTTP server's ``/metrics``. The tier's counters live on the device; reading them
+is a host sync, so :class:`TierMetrics` is refreshed every ``every`` decode steps only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class TierMetrics:
+    PREFIX = "sglang_ext:tier_"
+
+    def __init__(self, page_bytes: int, every: int = 32) -> None:
+        from prometheus_client import Counter, Gauge
+
+        p = self.PREFIX
+        self.every = every
+        self.page_bytes = page_bytes  # bytes one (block, kv head) transfer moves, K and V
+        self._last = {"wanted_blocks": 0, "transferred_blocks": 0}
+        self.wanted = Counter(p + "wanted_blocks", "Blocks the block filter chose (per layer and kv head)")
+        self.transferred = Counter(p + "transferred_blocks", "Blocks fetched from host memory")
+        self.transferred_bytes = Counter(p + "transferred_bytes", "Bytes fetched from host memory")
+        self.hit_rate = Gauge(p + "hit_rate", "Share of chosen blocks already on the GPU (cumulative)",
+                              multiprocess_mode="mostrecent")
+        self.work_free = Gauge(p + "working_area_free_pages", "Free pages of the GPU working area",
+                               multiprocess_mode="mostrecent")
+        self.work_total = Gauge(p + "working_area_pages", "Pages of the GPU working area",
+                                multiprocess_mode="mostrecent")
+        self.requests = Gauge(p + "requests", "Requests holding working-area pages",
+                              multiprocess_mode="mostrecent")
+
+    def update(self, occupancy: dict[str, Any]) -> None:
+        wanted = occupancy["wanted_blocks"] - self._last["wanted_blocks"]
+        moved = occupancy["transferred_blocks"] - self._last["transferred_blocks"]
+        self._last = {k: occupancy[k] for k in self._last}
+        self.wanted.inc(max(wanted, 0))
+        self.transferred.inc(max(moved, 0))
+        self.transferred_bytes.inc(max(moved, 0) * self.page_bytes)
+        self.hit_rate.set(occupancy["hit_rate"])
+        self.work_free.set(occupancy["work_pages_free"])
+        self.work_total.set(occupancy["work_pages"])
+        self.requests.set(occupancy["requests_tiered"])

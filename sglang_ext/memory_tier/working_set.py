@@ -1,0 +1,200 @@
+"""The GPU side of the CPU tier: page maps, working-set slots, and the per-step fetch schedule.
+
+A request row is either **resident** (its whole KV in ordinary device pages; the page map
+holds every block, identical for all layers and kv heads) or **tiered** (its KV lives on the
+host; the GPU keeps, per layer and kv head, the blocks of the last selection in ``num_slots``
+working-set slots, plus the sink and recent-window blocks in ordinary device pages, mapped
+like a resident request's). Sparse decode reads keys through the page map
+(:func:`kernels.sparse_decode.select_slots_batched` with ``page_map``), so both kinds decode
+in one batch.
+
+Per layer, a decode step's block filter picks the blocks ``C_t`` (two_level's candidates or
+quest's blocks). Two schedules (``mode``):
+
+* ``sync``: the residency update for ``C_t`` (:func:`kernels.working_set.update_working_set`,
+  the set difference) and the host->GPU gather of the misses run on the compute stream before
+  the token stage: the step attends over exactly the tokens the untiered path would. Transfers
+  are on the critical path.
+* ``async`` (AsyncTLS): the step attends with the blocks chosen at the previous step
+  (``C_{t-1}``, resident since then), and after the layer's attention the update + gather for
+  ``C_t`` runs on a side stream, overlapping the remaining layers; :meth:`finish_step` joins
+  the side stream before the step ends (the fence: the next step finds ``C_t`` resident).
+  The update runs after the layer's attention, so it may evict ``C_{t-1}``: no double
+  buffering is needed and ``num_slots`` equals the block filter's k.
+
+Everything a step launches has static shapes and no host sync, so it is captured in the
+decode CUDA graph with the rest of the step (the side stream forks and joins inside it).
+Counters (wanted blocks, missed = transferred blocks) accumulate on the device; read them with
+:meth:`read_stats` outside the step.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from sglang_ext.kernels.host_gather import DEFAULT_MAX_PROGRAMS
+from sglang_ext.kernels.working_set import update_working_set
+from sglang_ext.memory_tier.host_store import HostKVStore
+
+MODES = ("sync", "async")
+
+
+class WorkingSetTier:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        max_rows: int,
+        max_blocks: int,
+        num_slots: int,
+        page_size: int,
+        max_batch: int,
+        host: HostKVStore,
+        device: torch.device | str,
+        mode: str = "async",
+        gather_programs: Optional[int] = None,
+        host_page_offset: int = 0,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
+        self.mode = mode
+        self.gather_programs = gather_programs  # SMs the async gather may occupy (None: all)
+        self.host_page_offset = host_page_offset  # logical page - offset = host page
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.num_slots = num_slots
+        self.page_size = page_size
+        self.max_batch = max_batch
+        self.host = host
+        self.device = torch.device(device)
+        i32 = dict(dtype=torch.int32, device=self.device)
+        # [rows, layers, Hkv, max_blocks]: device page of block j for (layer, head), -1: absent.
+        self.page_maps = torch.full((max_rows, num_layers, num_kv_heads, max_blocks), -1, **i32)
+        self.slot_block = torch.full((max_rows, num_layers, num_kv_heads, num_slots), -1, **i32)
+        self.slot_pages = torch.full((max_rows, num_slots), -1, **i32)
+        self.tiered = torch.zeros(max_rows, **i32)
+        # async: the blocks each (row, layer, head) attends at its next step (C_{t-1}).
+        self.attend_rows = torch.full((max_rows, num_layers, num_kv_heads, num_slots), -1, **i32)
+        # per step scratch (static addresses for CUDA graphs)
+        self._attend = torch.full((num_layers, max_batch, num_kv_heads, num_slots), -1, **i32)
+        self._wanted = torch.full((num_layers, max_batch, num_kv_heads, num_slots), -1, **i32)
+        self._src = torch.full((num_layers, max_batch, num_kv_heads, num_slots), -1, **i32)
+        self._dst = torch.full((num_layers, max_batch, num_kv_heads, num_slots), -1, **i32)
+        self._heads = (
+            torch.arange(num_kv_heads, **i32)[None, :, None]
+            .expand(max_batch, num_kv_heads, num_slots).contiguous()
+        )
+        self.stats = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._forked = False
+
+    # ------------------------------------------------------------ host-side bookkeeping
+    # (called by the pool manager between steps, in stream order)
+
+    def map_resident(self, row: int, blocks: Tensor, pages: Tensor) -> None:
+        """Map blocks of ``row`` to ordinary device pages (all layers and heads)."""
+        self.page_maps[row, :, :, blocks.long()] = pages.to(self.page_maps)[None, None, :]
+
+    def unmap(self, row: int, blocks: Tensor) -> None:
+        self.page_maps[row, :, :, blocks.long()] = -1
+
+    def attach(self, row: int, slot_pages: Tensor) -> None:
+        """Make ``row`` tiered with ``num_slots`` working-set device pages (empty slots)."""
+        if slot_pages.numel() != self.num_slots:
+            raise ValueError(f"need {self.num_slots} working-set pages, got {slot_pages.numel()}")
+        self.slot_pages[row] = slot_pages.to(self.slot_pages)
+        self.slot_block[row] = -1
+        self.attend_rows[row] = -1
+        self.tiered[row] = 1
+
+    def detach(self, row: int) -> None:
+        """Forget ``row`` (finished, aborted, retracted): no mappings, no slots."""
+        self.tiered[row] = 0
+        self.page_maps[row] = -1
+        self.slot_block[row] = -1
+        self.slot_pages[row] = -1
+        self.attend_rows[row] = -1
+
+    # ------------------------------------------------------------ per step, per layer
+
+    def page_map(self, layer: int) -> Tensor:
+        return self.page_maps[:, layer]
+
+    def decode_hooks(
+        self, layer: int, req_pool_indices: Tensor, req_to_token: Tensor,
+        k_buffer: Tensor, v_buffer: Tensor,
+    ) -> tuple[Callable[[Tensor], None], Optional[Tensor]]:
+        """``(on_blocks, attend_blocks)`` for :func:`sparse_decode_batched` at this layer."""
+        batch = req_pool_indices.shape[0]
+        if batch > self.max_batch:
+            raise ValueError(f"batch {batch} exceeds the tier's max_batch {self.max_batch}")
+
+        if self.mode == "sync":
+            def fetch_now(blocks: Tensor) -> None:
+                self._fetch(layer, blocks, req_pool_indices, req_to_token, k_buffer, v_buffer)
+            return fetch_now, None
+
+        wanted = self._wanted[layer, :batch]
+
+        def remember(blocks: Tensor) -> None:
+            wanted.copy_(blocks)
+
+        attend = self._attend[layer, :batch]
+        torch.index_select(self.attend_rows[:, layer], 0, req_pool_indices, out=attend)
+        return remember, attend
+
+    def after_layer(
+        self, layer: int, req_pool_indices: Tensor, req_to_token: Tensor,
+        k_buffer: Tensor, v_buffer: Tensor,
+    ) -> None:
+        """async: after the layer's attention, fetch its ``C_t`` on the side stream."""
+        if self.mode != "async":
+            return
+        batch = req_pool_indices.shape[0]
+        wanted = self._wanted[layer, :batch]
+        if self._side is not None:
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+            self._forked = True
+            with torch.cuda.stream(self._side):
+                self._fetch(layer, wanted, req_pool_indices, req_to_token, k_buffer, v_buffer)
+                self.attend_rows[:, layer].index_copy_(0, req_pool_indices, wanted)
+        else:
+            self._fetch(layer, wanted, req_pool_indices, req_to_token, k_buffer, v_buffer)
+            self.attend_rows[:, layer].index_copy_(0, req_pool_indices, wanted)
+
+    def finish_step(self) -> None:
+        """The fence: the compute stream waits for every prefetch of this step."""
+        if self._forked:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+            self._forked = False
+
+    def _fetch(self, layer: int, blocks: Tensor, req_pool_indices: Tensor, req_to_token: Tensor,
+               k_buffer: Tensor, v_buffer: Tensor) -> None:
+        batch = blocks.shape[0]
+        if blocks.shape[-1] != self.num_slots:
+            raise ValueError(f"the block filter keeps {blocks.shape[-1]} blocks per head but the "
+                             f"tier has {self.num_slots} working-set slots")
+        src, dst = self._src[layer, :batch], self._dst[layer, :batch]
+        update_working_set(
+            blocks, req_pool_indices, self.tiered, self.page_maps[:, layer],
+            self.slot_block[:, layer], self.slot_pages, req_to_token, self.page_size,
+            src_pages=src, dst_pages=dst, stats=self.stats, host_page_offset=self.host_page_offset,
+        )
+        # sync: the copy is on the critical path, give it every SM; async: it runs beside the
+        # next layers' kernels, so a few persistent programs (the gather's default) suffice.
+        programs = self.gather_programs if self.gather_programs is not None else (
+            None if self.mode == "sync" else DEFAULT_MAX_PROGRAMS)
+        self.host.load(layer, self._heads[:batch].reshape(-1), src.reshape(-1), dst.reshape(-1),
+                       k_buffer, v_buffer, max_programs=programs)
+
+    def read_stats(self) -> dict[str, float]:
+        wanted, missed = (int(x) for x in self.stats.tolist())
+        return {
+            "wanted_blocks": wanted,
+            "transferred_blocks": missed,
+            "hit_rate": 1.0 - missed / wanted if wanted else 1.0,
+        }
