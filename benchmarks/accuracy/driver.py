@@ -1,7 +1,7 @@
 """Accuracy suite driver: start CPU SGLang servers with our backend, run the tasks, stop them.
 
     python -m benchmarks.accuracy.driver --quick            # ~1 min: passkey@1024, 3 samples
-    python -m benchmarks.accuracy.driver                    # the full default run (~45-60 min)
+    python -m benchmarks.accuracy.driver                    # the full default run (~1.5 h on 2 cores)
     python -m benchmarks.accuracy.driver --server-url http://127.0.0.1:30000 --tasks passkey
 
 A server with ``--attention-backend sglang_ext`` evaluates dense attention and every
@@ -14,8 +14,9 @@ torch_native backend afterwards and runs the dense requests there (row method ``
 with the share of outputs identical to our dense override). Servers are stopped on exit, Ctrl-C
 and SIGTERM; ``--time-limit`` bounds the run (it stops taking samples and keeps the rows done).
 
-Before running, the driver runs the first sample of the largest context alone, timing its
-prefill and its decode, and prints the estimated duration of this run and of the full default run.
+Before the rest, the driver runs two samples of the largest context per server, one after the
+other, times the second ones' prefill and decode, and prints the estimated duration of this run
+and of the full default run.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ DEFAULT_BLOCK_SIZE = 4
 QUICK = dict(tasks=["passkey"], contexts=[1024], methods=["two_level"], budgets=[128], samples=3,
              servers=1)
 
-# Time model behind the printed estimate, scaled from the probe (the first sample of the
-# largest context T0, alone on one server: its prefill, and its decode = every setting at once):
+# Time model behind the printed estimate, scaled from the probe (a sample of the largest
+# context T0 on a server that has run one before: its prefill, and its decode = every setting
+# at once):
 #   prefill(T)       = probe_prefill * (T / T0) * (1 + T / PREFILL_KNEE) / (1 + T0 / PREFILL_KNEE)
 #   decode(T, task)  = probe_decode * (limit(task) / limit(probe task)) * (n_settings / probe's)
 #                      * (1 + T / DECODE_KNEE) / (1 + T0 / DECODE_KNEE)
