@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from sglang_ext.kernels.host_gather import _COPY_DTYPE  # elements move as same-width integers
+
 
 @triton.jit
 def _scatter_to_host_kernel(
@@ -42,9 +44,6 @@ def _scatter_to_host_kernel(
                 mask=ok[:, None] & dm[None, :])
     tl.store(HOST + h * stride_hh + loc[:, None] * stride_hn + d[None, :], x,
              mask=ok[:, None] & dm[None, :])
-
-
-_COPY_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def scatter_to_host(src: Tensor, host: Tensor, loc: Tensor) -> None:
