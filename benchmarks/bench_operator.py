@@ -54,6 +54,7 @@ def parse_args(argv=None):
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--out", default=DEFAULT_OUT, help="output directory (default: %(default)s)")
+    p.add_argument("--tag", default="", help="file name suffix: operator_h200_<tag>.json")
     p.add_argument("--contexts", default="32768,65536,131072", help="comma-separated contexts")
     p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--budget", type=int, default=2048)
@@ -79,11 +80,12 @@ def parse_args(argv=None):
     p.add_argument("--block-score-precision", default="auto",
                    choices=["auto", "fma", "ieee", "tf32x3", "tc"],
                    help="how Quest block scores are computed (see block_scores.py)")
-    p.add_argument("--compare-block-score-precision", default="tc",
+    p.add_argument("--compare-block-score-precision", default="fma",
                    choices=["none", "fma", "ieee", "tf32x3", "tc"],
                    help="also time ours (full and select only) with this block-score precision "
-                        "(default: tc, the tensor-core path; none: skip)")
-    p.add_argument("--fi-page-size", type=int, default=16, choices=[1, 16])
+                        "(default: fma, fp32 multiply-adds; auto is tc, the tensor-core GEMMs, "
+                        "for bf16; none: skip)")
+    p.add_argument("--fi-page-size", type=int, default=16, choices=[1, 16, 32, 64])
     p.add_argument("--fi-tensor-cores", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--triton-max-kv-splits", type=int, default=8,
                    help="SGLang --triton-attention-num-kv-splits (default 8)")
@@ -92,6 +94,17 @@ def parse_args(argv=None):
     p.add_argument("--no-graphs", action="store_true", help="time eager calls, no CUDA graphs")
     p.add_argument("--skip-flashinfer", action="store_true")
     p.add_argument("--skip-triton", action="store_true")
+    p.add_argument("--label-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="token scores read the label cache (kernels/label_cache.py) instead of "
+                        "gathering the label channels from the keys; with --compare-label-cache "
+                        "the other way is timed too")
+    p.add_argument("--compare-label-cache", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time each stage of ours alone (block scores, block top-k, token "
+                        "scores; token top-k + assembly and attention as differences)")
+    p.add_argument("--fi-sparse", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time our selection + FlashInfer's paged decode over the selected "
+                        "slots (the issue's optional second attention implementation)")
     p.add_argument("--check", action="store_true",
                    help="run the correctness checks first; exit non-zero if they fail")
     p.add_argument("--check-only", action="store_true", help="run the checks and exit")
@@ -378,6 +391,78 @@ class TritonDecode:
         return self.out
 
 
+class FlashInferSparseDecode:
+    """FlashInfer's paged decode over our selected slots: each (request, kv head) is one
+    FlashInfer request with one kv head and its group of query heads, page size 1, its pages
+    being the selected slots (slot * Hkv + kv head in the pool viewed as [slots * Hkv, 1, D]).
+    The index pointer is static (budget per row), so plan() runs once and the run replays in a
+    CUDA graph after the selection writes the indices. Needs every selected slot valid (rows
+    longer than the budget: no -1 padding), which holds for the benchmark's contexts."""
+
+    def __init__(self, torch, select, q, k_buffer, v_buffer, budget, sm_scale, workspace):
+        import flashinfer
+
+        batch, dev = q.shape[0], q.device
+        rows = batch * HKV
+        self.select = select  # () -> int32 [B, Hkv, budget] slots
+        self.head = torch.arange(HKV, dtype=torch.int32, device=dev)[None, :, None]
+        self.indices = torch.zeros(rows * budget, dtype=torch.int32, device=dev)
+        indptr = torch.arange(rows + 1, dtype=torch.int32, device=dev) * budget
+        last_page_len = torch.ones(rows, dtype=torch.int32, device=dev)
+        self.kv_cache = (k_buffer.view(-1, 1, 1, HEAD_DIM), v_buffer.view(-1, 1, 1, HEAD_DIM))
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+            paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=self.indices,
+            paged_kv_last_page_len_buffer=last_page_len, backend="fa2")
+        self.wrapper.plan(indptr, self.indices, last_page_len, HQ // HKV, 1, HEAD_DIM, 1,
+                          pos_encoding_mode="NONE", q_data_type=q.dtype,
+                          kv_data_type=k_buffer.dtype, sm_scale=sm_scale)
+        self.q = q.view(rows, HQ // HKV, HEAD_DIM)
+        self.out = torch.empty_like(self.q)
+
+    def __call__(self):
+        slots = self.select()
+        self.indices.copy_((slots * HKV + self.head).view(-1))
+        self.wrapper.run(self.q, self.kv_cache, out=self.out)
+        return self.out.view(-1, HQ, HEAD_DIM)
+
+
+def stage_builders(q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, kmax, params,
+                   channels, ws, select, labels=None):
+    """(name, build) of each stage of our selection alone, reading the workspace's
+    intermediates that one full ``select()`` call leaves behind (so each stage sees real
+    inputs). The token top-k + slot assembly (one fused kernel) and the attention are timed
+    as differences: select - stages, ours - select."""
+    from sglang_ext.kernels.block_scores import quest_block_scores_batched
+    from sglang_ext.kernels.token_scores import label_token_scores_batched
+    from sglang_ext.kernels.topk import topk_masked
+
+    batch, bs = q.shape[0], params.block_size
+    select()  # fills ws.block_scores / ws.top_blocks for the stages below
+    out = []
+    if ws.k_blocks:
+        out.append(("block_scores", lambda: lambda: quest_block_scores_batched(
+            q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, bs, params.sink,
+            params.window, ws.max_blocks, out=ws.block_scores[:batch],
+            precision=ws.block_score_precision)))
+        if ws.k_tokens:  # otherwise the block top-k is the fused last top-k
+            out.append(("block_topk", lambda: lambda: topk_masked(
+                ws.block_scores[:batch], ws.k_blocks, out=ws.top_blocks[:batch],
+                impl=ws.topk_impl, radix_bits=ws.topk_radix_bits)))
+    if ws.k_tokens:
+        from sglang_ext.kernels.label_cache import label_queries
+
+        cand = ws.top_blocks[:batch] if ws.k_blocks else None
+        # as select_slots_batched: the label cache with reduced queries, or the keys' channels
+        tok_q, tok_keys, tok_ch = ((lambda: label_queries(q, channels)), labels, None) \
+            if labels is not None else ((lambda: q), k_buffer, channels)
+        out.append(("token_scores", lambda: lambda: label_token_scores_batched(
+            tok_q(), tok_keys, req_to_token, req_pool_indices, seq_lens, cand, bs, params.sink,
+            params.window, channels=tok_ch, num_blocks=ws.max_blocks,
+            scores_out=ws.token_scores[:batch], return_positions=False)[0]))
+    return out
+
+
 # ----------------------------------------------------------------------------- check
 
 
@@ -446,6 +531,14 @@ def run_check(args) -> bool:
                 "unfused": dict(fuse_assemble=False),
                 "radix6": dict(topk_radix_bits=6),
             }
+            if channels is not None:  # token scores from the label cache: the same slots
+                from sglang_ext.kernels.label_cache import allocate_label_cache, update_label_cache
+
+                labels = allocate_label_cache(pb.k_buffer.shape[0], HKV, channels.shape[1],
+                                              "cuda", pb.k_buffer.dtype)
+                update_label_cache(labels, pb.k_buffer, torch.arange(pb.k_buffer.shape[0],
+                                                                     device="cuda"), channels)
+                variants["label-cache"] = dict(labels=labels)
             if method != "ds" and pb.kmin.dtype == torch.bfloat16:
                 # tensor-core block scores: dyadic values make every sum exact in any order
                 variants["tc-scores"] = dict(block_score_precision="tc")
@@ -458,7 +551,7 @@ def run_check(args) -> bool:
                     block_score_precision=kw.get("block_score_precision"))
                 other = select_slots_batched(*select_args, kw.get("kmin", pb.kmin),
                                              kw.get("kmax", pb.kmax), params, channels=channels,
-                                             workspace=ws)
+                                             workspace=ws, labels=kw.get("labels"))
                 if not torch.equal(other, slots):
                     bad_variants.append(name)
             err = (out.float() - ref.float()).abs().max().item()
@@ -580,6 +673,14 @@ def run_benchmark(args, device: str = "cuda") -> dict:
     if args.label_channels:
         channels = torch.stack([torch.randperm(HEAD_DIM, device=dev, generator=gen)[:r]
                                 for _ in range(HKV)])
+    labels = None
+    if channels is not None and params.method in ("two_level", "ds"):
+        from sglang_ext.kernels.label_cache import allocate_label_cache, update_label_cache
+
+        labels = allocate_label_cache(num_slots, HKV, r, dev, torch.bfloat16)
+        for s in range(0, num_slots, 1 << 20):
+            e = min(s + (1 << 20), num_slots)
+            update_label_cache(labels, k_buffer[s:e], torch.arange(s, e, device=dev), channels)
     print(f"pool: {num_slots} slots, {2 * k_buffer.numel() * 2 / 2**30:.1f} GiB K/V, "
           f"{2 * kmin.numel() * kmin.element_size() / 2**30:.2f} GiB {args.summary_dtype} "
           f"summaries; setup {time.time() - t_start:.0f}s")
@@ -614,7 +715,8 @@ def run_benchmark(args, device: str = "cuda") -> dict:
             max_blocks = -(-context // bs)
 
             def ours(impl, select_only=False, summary=args.summary_dtype,
-                     precision=block_precision):
+                     precision=block_precision, use_labels=args.label_cache):
+                lab = labels if use_labels else None
                 ws = SparseDecodeWorkspace(batch, HQ, HKV, HEAD_DIM, params, max_blocks, dev,
                                            torch.bfloat16, topk_impl=impl,
                                            block_score_precision=precision,
@@ -624,14 +726,18 @@ def run_benchmark(args, device: str = "cuda") -> dict:
                 if select_only:
                     return lambda: select_slots_batched(
                         q, k_buffer, req_to_token, req_pool_indices, seq_lens, lo, hi,
-                        params, channels=channels, workspace=ws)
+                        params, channels=channels, workspace=ws, labels=lab)
                 return lambda: sparse_decode_batched(
                     q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, lo, hi,
-                    params, sm_scale, channels=channels, workspace=ws)
+                    params, sm_scale, channels=channels, workspace=ws, labels=lab)
 
             outs = {}
             builders = [("ours", lambda: ours(args.topk_impl)),
                         ("ours_select", lambda: ours(args.topk_impl, select_only=True))]
+            if args.compare_label_cache and labels is not None:
+                other = "no_label_cache" if args.label_cache else "label_cache"
+                builders.append((f"ours_{other}", lambda: ours(
+                    args.topk_impl, use_labels=not args.label_cache)))
             if args.compare_topk:
                 builders.append((f"ours_{other_topk}_topk", lambda: ours(other_topk)))
             for name in summary_names[1:]:
@@ -654,13 +760,36 @@ def run_benchmark(args, device: str = "cuda") -> dict:
                 builders.append(("triton", lambda: TritonDecode(
                     torch, q, k_buffer, v_buffer, req_to_token, context,
                     args.triton_max_kv_splits, sm_scale)))
+            if args.fi_sparse and context > params.budget:
+                builders.append(("ours_fi_attention", lambda: FlashInferSparseDecode(
+                    torch, ours(args.topk_impl, select_only=True), q, k_buffer, v_buffer,
+                    params.budget, sm_scale, fi_workspace)))
+            if args.breakdown:
+                stage_ws = SparseDecodeWorkspace(
+                    batch, HQ, HKV, HEAD_DIM, params, max_blocks, dev, torch.bfloat16,
+                    topk_impl=args.topk_impl, block_score_precision=block_precision,
+                    topk_radix_bits=args.topk_radix_bits, fuse_assemble=args.fuse_assemble)
+                stage_labels = labels if args.label_cache else None
+                stage_select = lambda: select_slots_batched(  # noqa: E731
+                    q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, kmax, params,
+                    channels=channels, workspace=stage_ws, labels=stage_labels)
+                builders += [(f"stage_{name}", build) for name, build in stage_builders(
+                    q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, kmax, params,
+                    channels, stage_ws, stage_select, stage_labels)]
             for name, build in builders:
                 row[f"{name}_ms"], mode, out = _time_operator(timer, build)
                 if mode != timer.mode:
                     row[f"{name}_mode"] = mode
-                if out is not None and name in ("ours", "flashinfer", "triton"):
+                if out is not None and name in ("ours", "flashinfer", "triton",
+                                                "ours_fi_attention"):
                     outs[name] = out
                 timer.release()
+            if args.breakdown and row.get("ours_select_ms") and row.get("ours_ms"):
+                staged = [row.get(f"stage_{n}_ms") for n in ("block_scores", "block_topk",
+                                                              "token_scores")]
+                row["stage_topk_assemble_ms"] = row["ours_select_ms"] - sum(
+                    x for x in staged if x)
+                row["stage_attention_ms"] = row["ours_ms"] - row["ours_select_ms"]
             row.setdefault("flashinfer_ms", None)
             row.setdefault("triton_ms", None)
             nbytes = floor_bytes(params, batch, context, r,
@@ -675,6 +804,10 @@ def run_benchmark(args, device: str = "cuda") -> dict:
             if "flashinfer" in outs and "triton" in outs:
                 row["fi_vs_triton_max_diff"] = (
                     outs["flashinfer"].float() - outs["triton"].float()
+                ).abs().max().item()
+            if "ours" in outs and "ours_fi_attention" in outs:  # same slots, two kernels
+                row["fi_attention_vs_ours_max_diff"] = (
+                    outs["ours_fi_attention"].float() - outs["ours"].float()
                 ).abs().max().item()
             if "ours" in outs:
                 row["ours_finite"] = bool(outs["ours"].isfinite().all().item())
@@ -706,6 +839,7 @@ def run_benchmark(args, device: str = "cuda") -> dict:
             "summary_dtype": args.summary_dtype,
             "topk_radix_bits": args.topk_radix_bits,
             "fuse_assemble": args.fuse_assemble,
+            "label_cache": bool(args.label_cache and labels is not None),
             "flashinfer": {"page_size": args.fi_page_size, "layout": "NHD",
                            "use_tensor_cores": tensor_cores, "backend": "fa2"},
             "triton": {"page_size": 1, "max_kv_splits": args.triton_max_kv_splits},
@@ -731,11 +865,14 @@ def _fmt_row(r) -> str:
     variants = " ".join(f"{k[5:-3]} {_fmt(v)}" for k, v in r.items()
                         if k.startswith("ours_") and k.endswith("_ms")
                         and k not in ("ours_ms", "ours_select_ms"))
+    stages = " ".join(f"{k[6:-3]} {_fmt(v)}" for k, v in r.items()
+                      if k.startswith("stage_") and k.endswith("_ms"))
     return (f"ctx {r['context']:>6} bs {r['batch']:>3} | ours {_fmt(r['ours_ms'])} ms "
             f"(select {_fmt(r.get('ours_select_ms'))}) | flashinfer {_fmt(r['flashinfer_ms'])} | "
             f"triton {_fmt(r['triton_ms'])} | floor {_fmt(r['floor_ms'])} | "
             f"x{_fmt(r['speedup_vs_flashinfer'], '.2f')} vs flashinfer"
-            + (f" | variants: {variants}" if variants else ""))
+            + (f" | variants: {variants}" if variants else "")
+            + (f" | stages: {stages}" if stages else ""))
 
 
 def print_table(result):
@@ -806,10 +943,11 @@ def main(argv=None) -> int:
             return 0
     result = run_benchmark(args)
     os.makedirs(args.out, exist_ok=True)
-    json_path = os.path.join(args.out, "operator_h200.json")
+    stem = "operator_h200" + (f"_{args.tag}" if args.tag else "")
+    json_path = os.path.join(args.out, stem + ".json")
     with open(json_path, "w") as f:
         json.dump(result, f, indent=2)
-    png_path = os.path.join(args.out, "operator_h200.png")
+    png_path = os.path.join(args.out, stem + ".png")
     try:
         plot(result, png_path)
     except Exception:  # noqa: BLE001 - the JSON is the result; the plot is a convenience

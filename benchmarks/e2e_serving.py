@@ -144,6 +144,45 @@ def bench(port: int, tokenizer: str, input_len: int, output_len: int, num_prompt
         return json.loads(f.readlines()[-1])
 
 
+def synthetic_label_config(model_path: str, channels: int, out_dir: str) -> str:
+    """A label config of ``channels`` random distinct channels per (layer, kv head) for the
+    model's shape: with dummy weights there is nothing to calibrate, but the decode step then
+    reads label channels (and the label cache) as it does with a calibrated config."""
+    import random
+
+    from sglang_ext.selection.calibrate import FORMAT, dumps_label_config
+
+    with open(os.path.join(model_path, "config.json")) as f:
+        cfg = json.load(f)
+    layers, kv_heads = cfg["num_hidden_layers"], cfg.get("num_key_value_heads",
+                                                           cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    rng = random.Random(0)
+    payload = {
+        "format": FORMAT, "label_channels": channels,
+        "model": {"num_layers": layers, "num_kv_heads": kv_heads, "head_dim": head_dim},
+        "calibration": {"synthetic": "random channels for dummy weights (timing only)"},
+        "channels": [[sorted(rng.sample(range(head_dim), channels)) for _ in range(kv_heads)]
+                     for _ in range(layers)],
+    }
+    path = os.path.join(out_dir, f"labels_{os.path.basename(model_path)}_{channels}.json")
+    with open(path, "w") as f:
+        f.write(dumps_label_config(payload))
+    return path
+
+
+def ours_flags(name: str, block_size: int, label_config: str | None) -> list[str]:
+    """The configuration's flags, with --block-size / --label-channels applied to ours."""
+    flags = list(CONFIGS[name])
+    if "sglang_ext" not in name:
+        return flags
+    if block_size:
+        flags[flags.index("--sparse-block-size") + 1] = str(block_size)
+    if label_config:
+        flags += ["--sparse-label-config", label_config]
+    return flags
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=os.path.join(REPO, ".gpu/models/qwen3-8b-shape"))
@@ -157,14 +196,22 @@ def main() -> int:
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks/results"))
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--startup-timeout", type=float, default=400)
+    p.add_argument("--block-size", type=int, default=0,
+                   help="ours: --sparse-block-size (= the page size); 0 keeps the config's 16")
+    p.add_argument("--label-channels", type=int, default=16,
+                   help="ours: random label channels per kv head (dummy weights have nothing to "
+                        "calibrate); 0 = none, token scores then use every channel")
     args = p.parse_args()
 
     os.makedirs(args.out, exist_ok=True)
+    label_config = synthetic_label_config(args.model, args.label_channels, args.out) \
+        if args.label_channels else None
     rows = []
     context_len = int(args.input_len * 1.25) + args.output_len + 64
     for name in args.configs:
         log_path = os.path.join(args.out, f"server_{name}.log")
-        proc = launch(args.model, args.tokenizer, CONFIGS[name], args.port, context_len,
+        flags = ours_flags(name, args.block_size, label_config)
+        proc = launch(args.model, args.tokenizer, flags, args.port, context_len,
                       log_path, args.extra.split())
         try:
             t0 = time.time()
@@ -178,7 +225,7 @@ def main() -> int:
         stats = server_log_stats(open(log_path, errors="replace").read())
         rows.append({
             "input_len": args.input_len, "output_len": args.output_len, "backend": name,
-            "config": " ".join(CONFIGS[name] + args.extra.split()),
+            "config": " ".join(flags + args.extra.split()),
             "concurrency": args.concurrency, "completed": result.get("completed"),
             "output_tok_s": result.get("output_throughput"),
             "median_tpot_ms": result.get("median_tpot_ms"),

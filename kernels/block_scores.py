@@ -167,8 +167,10 @@ def quest_block_scores_batched(
     tensor cores straight from the stored operands: needs q and the summaries in the same
     16-bit dtype; products are exact, sums are fp32 in the tensor cores' order, and it issues
     several times fewer instructions per summary byte than "fma", whose instruction count
-    rivals the bf16 summaries' bytes at large batch); None = "fma" for groups smaller than 8
-    query heads, "ieee" otherwise. ``block_nb``: blocks per program (default: 64 for 2-byte
+    rivals the bf16 summaries' bytes at large batch); None = "tc" on a GPU when q and the
+    summaries share a 16-bit dtype (the block scores as GEMMs: measured 5-15% faster per decode
+    step at 128k, see benchmarks/results/operator_h200*.json), otherwise "fma" for groups
+    smaller than 8 query heads and "ieee" for larger ones. ``block_nb``: blocks per program (default: 64 for 2-byte
     summaries with "fma"/"tc", otherwise 32).
     """
     batch, num_q_heads, head_dim = q.shape
@@ -184,7 +186,9 @@ def quest_block_scores_batched(
         q = q.contiguous()
     group = num_q_heads // num_kv_heads
     if precision is None:
-        precision = "fma" if group < 8 else "ieee"
+        on_tensor_cores = (q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+                           and q.dtype == kmin.dtype and q.dtype in (torch.bfloat16, torch.float16))
+        precision = "tc" if on_tensor_cores else "fma" if group < 8 else "ieee"
     if precision not in ("ieee", "tf32x3", "fma", "tc"):
         raise ValueError(f"precision must be ieee, tf32x3, fma or tc, got {precision!r}")
     if precision == "tc" and not (q.dtype == kmin.dtype and q.dtype in (torch.bfloat16,

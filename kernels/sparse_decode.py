@@ -40,6 +40,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sglang_ext.kernels.block_scores import quest_block_scores_batched
+from sglang_ext.kernels.label_cache import label_queries
 from sglang_ext.kernels.sparse_attention import (
     default_num_splits,
     sparse_attention_batched,
@@ -370,6 +371,7 @@ def select_slots_batched(
     page_map: Tensor | None = None,
     on_blocks: Callable[[Tensor], None] | None = None,
     attend_blocks: Tensor | None = None,
+    labels: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Step 1-2 of the pipeline: the ``budget`` KV slots (int32 ``[B, Hkv, budget]``, ``-1``
     padded) each (request, kv head) attends; with ``return_positions`` also their positions.
@@ -380,7 +382,12 @@ def select_slots_batched(
     skipped); ``on_blocks(blocks)`` is called with the block filter's result ``[B, Hkv, k]``
     before the token stage (to fetch or prefetch those blocks); ``attend_blocks`` replaces
     that result for the rest of the step (the blocks chosen at the previous step, already
-    resident: the asynchronous mode)."""
+    resident: the asynchronous mode).
+
+    ``labels`` (``[num_slots, Hkv, r]``, :mod:`label_cache`: the ``channels`` of every key,
+    stored contiguously) makes the token scoring read them instead of the pool's keys: the
+    same scores from an eighth of the bytes at 16 of 128 channels. Not with ``page_map`` (the
+    tier addresses resident keys by device page)."""
     batch, num_q_heads, _ = q.shape
     num_kv_heads = k_buffer.shape[1]
     if workspace is None:
@@ -426,10 +433,15 @@ def select_slots_batched(
         if attend_blocks is not None:
             top = cand = attend_blocks[:batch]
     if ws.k_tokens:
+        tok_q, tok_keys, tok_channels = q, k_buffer, channels
+        if labels is not None and page_map is None:
+            if channels is None or labels.shape[1:] != channels.shape:
+                raise ValueError("labels need their channels ([Hkv, r], matching the cache)")
+            tok_q, tok_keys, tok_channels = label_queries(q, channels), labels, None
         tok_scores, _ = label_token_scores_batched(
-            q, k_buffer, req_to_token, req_pool_indices, seq_lens,
+            tok_q, tok_keys, req_to_token, req_pool_indices, seq_lens,
             cand if ws.mode == _MODE_CAND_TOKENS else None, bs, params.sink, params.window,
-            channels=channels, num_blocks=ws.max_blocks, scores_out=ws.token_scores[:batch],
+            channels=tok_channels, num_blocks=ws.max_blocks, scores_out=ws.token_scores[:batch],
             return_positions=False, page_map=page_map,
         )
         top = run_topk(tok_scores, ws.k_tokens, ws.top_tokens[:batch], True)
@@ -482,6 +494,7 @@ def sparse_decode_batched(
     page_map: Tensor | None = None,
     on_blocks: Callable[[Tensor], None] | None = None,
     attend_blocks: Tensor | None = None,
+    labels: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """One sparse decode step for a batch: ``out [B, Hq, Dv]`` in q's dtype (and the float32
     LSE ``[B, Hq]`` with ``return_lse``).
@@ -494,6 +507,7 @@ def sparse_decode_batched(
     With a ``workspace`` the result is a view of its buffers (valid until the next call).
     ``page_map``/``on_blocks``/``attend_blocks``: the CPU tier's hooks, see
     :func:`select_slots_batched` (the attention then reads the per-head device slots).
+    ``labels``: the layer's label cache (:mod:`label_cache`), see :func:`select_slots_batched`.
     """
     batch, num_q_heads, _ = q.shape
     if workspace is None:
@@ -505,7 +519,7 @@ def sparse_decode_batched(
     slots = select_slots_batched(
         q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, kmax, params,
         channels=channels, workspace=workspace, page_map=page_map, on_blocks=on_blocks,
-        attend_blocks=attend_blocks,
+        attend_blocks=attend_blocks, labels=labels,
     )
     out, lse = sparse_attention_batched(
         q, k_buffer, v_buffer, slots, sm_scale,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from sglang_ext.attention import request_overrides
+from sglang_ext.attention import request_overrides, sparse_backend
 from sglang_ext.attention.sparse_backend import SparseDecodeBackend
 from sglang_ext.config import build_config
 from sglang_ext.selection import sparse_decode
@@ -119,3 +119,48 @@ def test_freed_row_forgets_its_override():
     assert request_overrides.lookup(pool, 4, backend.default_params) is None
     request_overrides.forget(pool, 4)
     assert request_overrides.lookup(pool, 4, backend.default_params) == backend.default_params
+
+
+def test_one_token_extends_attend_like_decode_and_share_equal_rows():
+    """Requests that extend a cached prompt by its last token (one prompt under several
+    settings) attend like a decode step, in float32; rows with equal inputs are computed once
+    and rows that differ anywhere are not merged."""
+    g = torch.Generator().manual_seed(5)
+    backend, runner, cfg = _backend(g, max_context=256)
+    backend._dense = SimpleNamespace()  # no multi-token extend here: the delegate is unused
+    pool, table = runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
+    prefix = torch.randperm(SLOTS - 8, generator=g)[:199] + 8  # shared prompt slots
+    rows, last = [1, 2, 3, 4, 5], [1, 2, 3, 4, 5]  # each request's own slot for the last token
+    for row, slot in zip(rows, last):
+        table[row, :199] = prefix.int()
+        table[row, 199] = slot
+    layer = SimpleNamespace(layer_id=0, tp_q_head_num=HQ, tp_k_head_num=HKV, qk_head_dim=D,
+                            v_head_dim=D, scaling=D ** -0.5)
+    q_one = torch.randn(HQ * D, generator=g)
+    k_one, v_one = torch.randn(HKV * D, generator=g), torch.randn(HKV * D, generator=g)
+    q = q_one.repeat(5, 1)
+    k, v = k_one.repeat(5, 1), v_one.repeat(5, 1)
+    q[3] += 0.5  # request 4: another query
+    v[4, 0] += 1.0  # request 5: another last value
+    batch = SimpleNamespace(
+        req_pool_indices=torch.tensor(rows), seq_lens=torch.full((5,), 200),
+        extend_seq_lens_cpu=[1] * 5, extend_prefix_lens_cpu=[199] * 5,
+        out_cache_loc=torch.tensor(last),
+    )
+    calls = []
+    real = sparse_backend._last_row_attention_fp32
+    sparse_backend._last_row_attention_fp32 = lambda *a: calls.append(1) or real(*a)
+    try:
+        out = backend._forward_extend_one_token_rows(q, k, v, layer, batch, True)
+    finally:
+        sparse_backend._last_row_attention_fp32 = real
+    out = out.view(5, HQ, D)
+    assert len(calls) == 3  # requests 1-3 share one computation; 4 and 5 differ
+    for i, row in enumerate(rows):
+        slots = table[row, :200].long()
+        keys, values = pool.k[0][slots].double(), pool.v[0][slots].double()
+        qi = q[i].view(HKV, HQ // HKV, D).double()
+        weights = (torch.einsum("hgd,lhd->hgl", qi, keys) * layer.scaling).softmax(-1)
+        expected = torch.einsum("hgl,lhd->hgd", weights, values).reshape(HQ, D)
+        torch.testing.assert_close(out[i].double(), expected, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(out[3], out[0]) and not torch.equal(out[4], out[0])

@@ -6,7 +6,6 @@ Block summaries come from ``update_block_summaries`` over KV written in several 
 that are ``req_to_token`` of those positions, outputs/LSE within tolerance.
 """
 
-import os
 
 import torch
 
@@ -279,13 +278,18 @@ def test_gpu_selection_variants_same_slots(method):
     params = _gpu_params(method)
     channels = _channels(gen, 8, 128, 16, "cuda")
     common = (q, pb.k_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens)
-    default = select_slots_batched(*common, pb.kmin, pb.kmax, params, channels=channels).clone()
+    # fp32 products summed in one order everywhere ("fma"); the tensor-core block scores (the
+    # GPU default for bf16) sum in another order: compared on dyadic data above
+    fma = dict(block_score_precision="fma")
+    default = select_slots_batched(*common, pb.kmin, pb.kmax, params, channels=channels,
+                                   workspace=SparseDecodeWorkspace(
+                                       4, 32, 8, 128, params, pb.max_blocks, "cuda",
+                                       torch.bfloat16, **fma)).clone()
     for summaries, kw in (((pb.kmin.float(), pb.kmax.float()), {}),
                           ((pb.kmin, pb.kmax), dict(fuse_assemble=False)),
                           ((pb.kmin, pb.kmax), dict(topk_radix_bits=6))):
-        # (tensor-core block scores sum in another order: compared on dyadic data below)
         ws = SparseDecodeWorkspace(4, 32, 8, 128, params, pb.max_blocks, "cuda", torch.bfloat16,
-                                   **kw)
+                                   **fma, **kw)
         got = select_slots_batched(*common, *summaries, params, channels=channels, workspace=ws)
         assert torch.equal(got, default), kw
 

@@ -1,0 +1,107 @@
+"""The label cache (kernels/label_cache.py): stored label channels equal the keys' channels, and
+token scoring from the cache selects exactly the slots that gathering the channels from the
+pool selects (kernels/sparse_decode.py, ``labels=``), which the oracle tests pin down."""
+
+import pytest
+import torch
+
+from sglang_ext.kernels.label_cache import (
+    allocate_label_cache,
+    label_queries,
+    update_label_cache,
+)
+from sglang_ext.kernels.sparse_decode import (
+    SparseDecodeWorkspace,
+    select_slots_batched,
+    sparse_decode_batched,
+)
+from sglang_ext.kernels.testing import case_generator, make_paged_batch, random_values
+from sglang_ext.selection.reference import SelectionParams
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _channels(gen, hkv, head_dim, r, device):
+    return torch.stack([torch.randperm(head_dim, generator=gen)[:r] for _ in range(hkv)]).to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_update_stores_each_keys_channels(dtype):
+    gen = case_generator("label-cache-update", str(dtype))
+    hkv, d, r, slots = 3, 16, 5, 64
+    channels = _channels(gen, hkv, d, r, DEVICE)
+    labels = allocate_label_cache(slots, hkv, r, DEVICE, dtype).fill_(float("nan"))
+    written = torch.zeros(slots, dtype=torch.bool)
+    for n in (7, 1, 12):  # several calls, scattered slots (as prefill chunks / decode steps)
+        free = (~written).nonzero().flatten()
+        loc = free[torch.randperm(len(free), generator=gen)[:n]]
+        k = random_values(gen, n, hkv, d, dtype=dtype, device=DEVICE)
+        update_label_cache(labels, k, loc.to(DEVICE), channels)
+        for i, slot in enumerate(loc.tolist()):
+            for g in range(hkv):
+                assert torch.equal(labels[slot, g], k[i, g, channels[g]]), (slot, g)
+        written[loc] = True
+    assert labels[~written.to(DEVICE)].isnan().all(), "a slot that was not written changed"
+
+
+def test_label_queries_pick_each_heads_group_channels():
+    gen = case_generator("label-queries")
+    b, hq, hkv, d, r = 2, 6, 2, 16, 4
+    channels = _channels(gen, hkv, d, r, DEVICE)
+    q = random_values(gen, b, hq, d, device=DEVICE)
+    got = label_queries(q, channels)
+    for h in range(hq):
+        assert torch.equal(got[:, h], q[:, h, channels[h // (hq // hkv)]])
+
+
+@pytest.mark.parametrize("method", ["two_level", "ds"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selection_from_the_cache_is_the_same(method, dtype):
+    gen = case_generator("label-cache-select", method, str(dtype))
+    hq, hkv, d, bs, budget = 6, 2, 16, 4, 32
+    params = SelectionParams(method, budget, bs, 6, 4, 4)
+    pb = make_paged_batch(gen, [20, 33, 90, 151], hkv, d, bs, dtype=dtype, device=DEVICE)
+    q = random_values(gen, 4, hq, d, dtype=dtype, device=DEVICE)
+    channels = _channels(gen, hkv, d, 5, DEVICE)
+    labels = allocate_label_cache(pb.k_buffer.shape[0], hkv, 5, DEVICE, dtype)
+    update_label_cache(labels, pb.k_buffer, torch.arange(pb.k_buffer.shape[0], device=DEVICE),
+                       channels)
+    common = (q, pb.k_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.kmin,
+              pb.kmax, params)
+
+    def workspace():
+        return SparseDecodeWorkspace(4, hq, hkv, d, params, pb.max_blocks, DEVICE, dtype)
+
+    expected = select_slots_batched(*common, channels=channels, workspace=workspace()).clone()
+    got = select_slots_batched(*common, channels=channels, workspace=workspace(), labels=labels)
+    assert torch.equal(got, expected)
+    tail = (pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.kmin, pb.kmax, params, d ** -0.5)
+    out = sparse_decode_batched(q, pb.k_buffer, pb.v_buffer, *tail, channels=channels,
+                                labels=labels)
+    ref = sparse_decode_batched(q, pb.k_buffer, pb.v_buffer, *tail, channels=channels)
+    assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="labels need their channels"):
+        select_slots_batched(*common, channels=None, workspace=workspace(), labels=labels)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("method", ["two_level", "ds"])
+def test_gpu_real_shapes_same_slots(method):
+    """Qwen3-8B layer (Hq 32, Hkv 8, D 128, bf16), 16 label channels, L up to 32k, bs 16."""
+    gen = case_generator("gpu-label-cache", method)
+    lens = [1000, 4097, 20000, 32768]
+    pb = make_paged_batch(gen, lens, 8, 128, 16, dtype=torch.bfloat16, device="cuda",
+                          summary_chunks=2)
+    q = random_values(gen, 4, 32, 128, dtype=torch.bfloat16, device="cuda")
+    params = SelectionParams(method, 2048, 16, 246, 16, 64)
+    channels = _channels(gen, 8, 128, 16, "cuda")
+    labels = allocate_label_cache(pb.k_buffer.shape[0], 8, 16, "cuda")
+    update_label_cache(labels, pb.k_buffer, torch.arange(pb.k_buffer.shape[0], device="cuda"),
+                       channels)
+    common = (q, pb.k_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.kmin,
+              pb.kmax, params)
+    expected = select_slots_batched(*common, channels=channels).clone()
+    assert torch.equal(select_slots_batched(*common, channels=channels, labels=labels), expected)
