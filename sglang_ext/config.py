@@ -21,6 +21,7 @@ DENSE_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 IMPLS = ("auto", "reference", "triton")
 TIER_MODES = ("off", "sync", "async")
 TIER_METHODS = ("quest", "two_level")  # the tier fetches what a block filter chose
+DENSE_DECODE_MODES = ("sglang", "float32")  # the reference decode's dense rows
 ENV_CONFIG = "SGLANG_EXT_CONFIG"  # JSON fallback for sgl.Engine(...), which rejects unknown kwargs
 
 
@@ -45,6 +46,7 @@ class SparseConfig:
     tier_gpu_tokens: int = 0  # 0 = auto: what the GPU holds after the working area
     locality_blocks: int = 0  # NOSA k_e: query-agnostic blocks per kv head (0 = off)
     eviction_score: str = "attention"
+    dense_decode: str = "sglang"  # reference decode's dense rows: see DENSE_DECODE_MODES
 
     @property
     def effective_candidate_blocks(self) -> int:
@@ -99,6 +101,10 @@ _FLAGS: tuple[tuple[str, str, str, str], ...] = (
     ("eviction_score", "--sparse-eviction-score", "{attention,key_norm}",
      "Score of the query-agnostic part: attention (decayed attention mass) or key_norm "
      "(pooled key norms)."),
+    ("dense_decode", "--sparse-dense-decode", "{sglang,float32}",
+     "Dense decode rows of the reference (CPU) decode: sglang = the same SDPA call as SGLang's "
+     "torch_native backend (bit-identical outputs); float32 = the same attention in float32 "
+     "(~8x faster per bf16 row on a CPU, rounded differently)."),
     ("tier_gpu_tokens", "--sparse-tier-gpu-tokens", "TOKENS",
      "KV slots homed on the GPU with the tier on (0 = all the GPU holds beside the tier's "
      "working area); a small value forces requests onto the host (tests)."),
@@ -215,6 +221,8 @@ def _validate(cfg: SparseConfig) -> None:
         fail("locality_blocks", "must be >= 0 (0 = off)")
     if cfg.eviction_score not in ("attention", "key_norm"):
         fail("eviction_score", "must be one of attention, key_norm")
+    if cfg.dense_decode not in DENSE_DECODE_MODES:
+        fail("dense_decode", f"must be one of {', '.join(DENSE_DECODE_MODES)}")
     if cfg.locality_blocks > 0:
         if cfg.method != "two_level":
             fail("locality_blocks", "needs --sparse-method two_level")

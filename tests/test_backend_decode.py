@@ -48,8 +48,9 @@ class DecodeMode:
         return False
 
 
-def _backend(generator: torch.Generator, max_context: int):
-    cfg = build_config(budget=64, block_size=4, sink=4, window=8, method="two_level")
+def _backend(generator: torch.Generator, max_context: int, dense_decode: str = "sglang"):
+    cfg = build_config(budget=64, block_size=4, sink=4, window=8, method="two_level",
+                       dense_decode=dense_decode)
     runner = SimpleNamespace(
         device="cpu",
         req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(8, max_context, dtype=torch.int32)),
@@ -59,11 +60,11 @@ def _backend(generator: torch.Generator, max_context: int):
     return SparseDecodeBackend(runner, cfg), runner, cfg
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_mixed_batch_equals_per_request_reference(seed: int):
+@pytest.mark.parametrize("seed, dense_decode", [(0, "sglang"), (1, "sglang"), (2, "float32")])
+def test_mixed_batch_equals_per_request_reference(seed: int, dense_decode: str):
     g = torch.Generator().manual_seed(seed)
     lengths = [1, 40, 64, 65, 300, 129]  # below, at and above the budget of 64
-    backend, runner, cfg = _backend(g, max_context=max(lengths))
+    backend, runner, cfg = _backend(g, max_context=max(lengths), dense_decode=dense_decode)
     rows = [3, 1, 7, 2, 5, 6]  # scattered rows, never 0 (the padding row)
     # Each request's slots: a random, non-contiguous set of pool slots.
     free = torch.randperm(SLOTS - 1, generator=g) + 1

@@ -498,7 +498,7 @@ class SparseDecodeBackend(AttentionBackend):
                 keys = k_buf.index_select(0, slots)  # [L, Hkv, D]
                 values = v_buf.index_select(0, slots)
             if params is None or seq_len <= params.budget:
-                out[i] = _dense_decode_like_sglang(q[i], keys, values, layer.scaling)
+                out[i] = self._dense_row(q[i], keys, values, layer.scaling)
             elif local:
                 mask = self._select_with_locality(row, layer, q[i], keys, params, channels)
                 out[i] = sparse_attention(q[i], keys, values, mask, layer.scaling)
@@ -521,6 +521,14 @@ class SparseDecodeBackend(AttentionBackend):
             index, plan = meta.sparse_plan
             out[index] = plan.decode(q[index], k_buf, v_buf, layer.scaling, channels)
         return out.view(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+
+    def _dense_row(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   scaling: float) -> torch.Tensor:
+        """One request's dense decode (--sparse-dense-decode): SGLang's torch_native call, or
+        the same attention in float32 (a CPU runs SDPA with one bf16 query row ~8x slower)."""
+        if self.config.dense_decode == "float32":
+            return _last_row_attention_fp32(q, keys, values, scaling)
+        return _dense_decode_like_sglang(q, keys, values, scaling)
 
     def _uses_locality(self, params: RequestSparsity) -> bool:
         return self.config.locality_blocks > 0 and params is not None \
@@ -587,10 +595,11 @@ def resolve_impl(config: SparseConfig, device: Any) -> str:
 def _last_row_attention_fp32(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
 ) -> torch.Tensor:
-    """The last causal row of a one-token extend: exact attention over all keys, computed in
-    float32. On a CPU, torch's SDPA with a single bf16 query row is ~8x slower than in float32
-    (4 ms vs 0.5 ms per layer at 4k tokens); this row is not bit-identical to torch_native's
-    extend anyway (see _forward_extend_one_token_rows)."""
+    """One query row's exact attention over all keys, computed in float32: the last causal row
+    of a one-token extend (not bit-identical to torch_native's extend anyway, see
+    _forward_extend_one_token_rows) and, with --sparse-dense-decode float32, dense decode rows.
+    On a CPU, torch's SDPA with a single bf16 query row is ~8x slower than in float32 (4 ms vs
+    0.5 ms per layer at 4k tokens)."""
     out = _dense_decode_like_sglang(q.float(), keys.float(), values.float(), scaling)
     return out.to(q.dtype)
 
