@@ -1,7 +1,7 @@
 """Accuracy suite driver: start CPU SGLang servers with our backend, run the tasks, stop them.
 
     python -m benchmarks.accuracy.driver --quick            # ~1 min: passkey@1024, 3 samples
-    python -m benchmarks.accuracy.driver                    # the full default run (~1.5 h on 2 cores)
+    python -m benchmarks.accuracy.driver                    # the full default run (~55 min on 2 cores)
     python -m benchmarks.accuracy.driver --server-url http://127.0.0.1:30000 --tasks passkey
 
 A server with ``--attention-backend sglang_ext`` evaluates dense attention and every
