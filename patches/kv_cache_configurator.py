@@ -1,7 +1,14 @@
-"""KVCacheConfigurator: with ``--sparse-tier`` on, size the logical KV space as GPU + host and
-build the tiered pool (sglang_ext/memory_tier/tiered_pool.py).
+"""KVCacheConfigurator: leave room for the sparse decode's side buffers, and with
+``--sparse-tier`` on, size the logical KV space as GPU + host and build the tiered pool
+(sglang_ext/memory_tier/tiered_pool.py).
 
-Two AROUND hooks, inert unless the tier is on:
+Without the tier, the batched (CUDA) decode keeps, per layer, the page summaries (key min/max,
+``2 D / block_size`` values per token) and the label cache (``r`` values per token) beside the KV
+pool; they are allocated after it, so ``_derive_pool_sizes`` shrinks SGLang's token count by their
+share of the per-token bytes (unless ``--max-total-tokens`` fixes it): the pool plus our buffers
+then take what SGLang profiled for the KV alone.
+
+Two AROUND hooks; the rest is inert unless the tier is on:
 
 * ``_derive_pool_sizes``: SGLang profiled ``D`` device KV slots; the tier splits them into
   GPU-homed slots ``G`` and its working area ``W`` and adds ``H`` host-homed slots, so the
@@ -31,11 +38,46 @@ def _tier_config(configurator: Any) -> Optional[Any]:
     return cfg if cfg.tier != "off" else None
 
 
+def side_buffer_share(cfg: Any, head_dim: int, v_head_dim: int, kv_bytes: int) -> float:
+    """Bytes of the batched decode's side buffers per byte of KV, per token (no tier): page
+    summaries (kmin + kmax, in the KV dtype, float32 under an 8-bit KV) and, for methods that
+    score tokens by label channels with a label config, the label cache (KV dtype)."""
+    summary_bytes = kv_bytes if kv_bytes >= 2 else 4
+    side = 2 * head_dim / cfg.block_size * summary_bytes
+    if cfg.label_config is not None and cfg.method in ("two_level", "ds"):
+        side += min(cfg.label_channels, head_dim) * kv_bytes
+    return side / ((head_dim + v_head_dim) * kv_bytes)
+
+
+def _leave_room_for_side_buffers(self: Any, sizes: Any) -> Any:
+    from sglang_ext.attention.sparse_backend import resolve_impl
+    from sglang_ext.patches.server_args import config_of, uses_sparse_backend
+
+    server_args = self.server_args
+    if (not uses_sparse_backend(server_args) or getattr(self, "is_hybrid_swa", False)
+            or server_args.max_total_tokens is not None):
+        return sizes
+    cfg = config_of(server_args)
+    if cfg.tier != "off" or resolve_impl(cfg, server_args.device) != "triton":
+        return sizes
+    import msgspec
+
+    mc = self.model_config
+    kv_bytes = self.kv_cache_dtype.itemsize if hasattr(self.kv_cache_dtype, "itemsize") else 2
+    share = side_buffer_share(cfg, mc.head_dim, mc.v_head_dim, kv_bytes)
+    page = server_args.page_size or 1
+    tokens = int(sizes.max_total_num_tokens / (1.0 + share)) // page * page
+    logger.info("sglang_ext: %d KV slots instead of %d leave room for the page summaries and "
+                "label cache (%.1f%% of the KV bytes)", tokens, sizes.max_total_num_tokens,
+                100 * share)
+    return msgspec.structs.replace(sizes, max_total_num_tokens=tokens)
+
+
 def _around_derive_pool_sizes(original: Callable, self: Any, *, config: Any) -> Any:
     sizes = original(self, config=config)
     cfg = _tier_config(self)
     if cfg is None:
-        return sizes
+        return _leave_room_for_side_buffers(self, sizes)
     import msgspec
 
     from sglang_ext.attention.request_overrides import selection_params

@@ -1,0 +1,64 @@
+"""KV pool sizing without the CPU tier (patches/kv_cache_configurator.py): the batched decode's
+page summaries and label cache are allocated after SGLang's KV pool, so the pool's token count
+shrinks by their share of the per-token bytes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang.srt.mem_cache.kv_cache_configurator import _PoolSizes
+
+from sglang_ext.config import build_config
+from sglang_ext.patches.kv_cache_configurator import _around_derive_pool_sizes, side_buffer_share
+from sglang_ext.patches.server_args import attach_config
+
+
+def test_side_buffer_share():
+    labels = dict(label_config=__file__)  # any readable file: only its presence matters here
+    two_level = build_config(method="two_level", block_size=32, label_channels=16, **labels)
+    # bf16, D = Dv = 128: summaries 2*128/32 = 8 values, labels 16, KV 256 values per token
+    assert side_buffer_share(two_level, 128, 128, 2) == pytest.approx(24 / 256)
+    assert side_buffer_share(build_config(method="two_level", block_size=32), 128, 128, 2) \
+        == pytest.approx(8 / 256)  # no label config: no label cache
+    assert side_buffer_share(build_config(method="quest", block_size=16, **labels), 128, 128, 2) \
+        == pytest.approx(16 / 256)  # quest scores no tokens
+    # an 8-bit KV keeps float32 summaries: 8 values x 4 bytes, labels 16 x 1 byte, KV 256 bytes
+    assert side_buffer_share(two_level, 128, 128, 1) == pytest.approx((32 + 16) / 256)
+
+
+def _configurator(device: str, max_total_tokens=None, tier: str = "off"):
+    server_args = SimpleNamespace(
+        attention_backend="sglang_ext", decode_attention_backend=None,
+        prefill_attention_backend=None, max_total_tokens=max_total_tokens, device=device,
+        page_size=32)
+    attach_config(server_args, build_config(method="two_level", block_size=32,
+                                            label_channels=16, label_config=__file__, tier=tier))
+    return SimpleNamespace(server_args=server_args, is_hybrid_swa=False,
+                           model_config=SimpleNamespace(head_dim=128, v_head_dim=128),
+                           kv_cache_dtype=torch.bfloat16)
+
+
+def _sizes(tokens: int) -> _PoolSizes:
+    return _PoolSizes(max_total_num_tokens=tokens, max_running_requests=64,
+                      full_max_total_num_tokens=None, swa_max_total_num_tokens=None,
+                      c4_max_total_num_tokens=0, c128_max_total_num_tokens=0,
+                      c4_state_pool_size=0, c128_state_pool_size=0, c4_state_dtype=None,
+                      c128_state_dtype=None)
+
+
+def test_pool_shrinks_by_the_side_buffers_on_cuda_only():
+    profiled = 1_000_000
+
+    def original(self, *, config):
+        return _sizes(profiled)
+
+    sizes = _around_derive_pool_sizes(original, _configurator("cuda"), config=None)
+    expected = int(profiled / (1 + 24 / 256)) // 32 * 32
+    assert sizes.max_total_num_tokens == expected and expected % 32 == 0
+    assert sizes.max_running_requests == 64
+    # the reference (CPU) decode keeps no side buffers; an explicit --max-total-tokens wins
+    for configurator in (_configurator("cpu"), _configurator("cuda", max_total_tokens=4096)):
+        sizes = _around_derive_pool_sizes(original, configurator, config=None)
+        assert sizes.max_total_num_tokens == profiled
