@@ -170,8 +170,8 @@ def quest_block_scores_batched(
     rivals the bf16 summaries' bytes at large batch); None = "tc" on a GPU when q and the
     summaries share a 16-bit dtype (the block scores as GEMMs: measured 5-15% faster per decode
     step at 128k, see benchmarks/results/operator_h200*.json), otherwise "fma" for groups
-    smaller than 8 query heads and "ieee" for larger ones. ``block_nb``: blocks per program (default: 64 for 2-byte
-    summaries with "fma"/"tc", otherwise 32).
+    smaller than 8 query heads and "ieee" for larger ones. ``block_nb``: blocks per program
+    (default: 64 for 2-byte summaries with "fma"/"tc", otherwise 32).
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = kmin.shape[1]

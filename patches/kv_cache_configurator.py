@@ -44,7 +44,7 @@ def side_buffer_share(cfg: Any, head_dim: int, v_head_dim: int, kv_bytes: int) -
     score tokens by label channels with a label config, the label cache (KV dtype)."""
     summary_bytes = kv_bytes if kv_bytes >= 2 else 4
     side = 2 * head_dim / cfg.block_size * summary_bytes
-    if cfg.label_config is not None and cfg.method in ("two_level", "ds"):
+    if cfg.keeps_label_cache:
         side += min(cfg.label_channels, head_dim) * kv_bytes
     return side / ((head_dim + v_head_dim) * kv_bytes)
 

@@ -49,6 +49,14 @@ class SparseConfig:
     dense_decode: str = "sglang"  # reference decode's dense rows: see DENSE_DECODE_MODES
 
     @property
+    def keeps_label_cache(self) -> bool:
+        """Whether the batched (CUDA) decode keeps a label cache (kernels/label_cache.py): a
+        label config, a method that scores tokens by label channels, and no CPU tier (whose
+        token scores read the resident keys by device page)."""
+        return (self.label_config is not None and self.method in ("two_level", "ds")
+                and self.tier == "off")
+
+    @property
     def effective_candidate_blocks(self) -> int:
         if self.candidate_blocks > 0:
             return self.candidate_blocks

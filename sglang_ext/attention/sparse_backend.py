@@ -151,10 +151,9 @@ class SparseDecodeBackend(AttentionBackend):
     def _allocate_label_cache(self) -> Optional[list[torch.Tensor]]:
         """The label channels of every key, per layer (kernels/label_cache.py), for methods
         that score tokens by label channels: the token scoring then reads r contiguous values
-        per key instead of gathering them from the key rows (r/D of the key cache's memory).
-        Not with the CPU tier: there token scores read the resident keys by device page."""
-        if (self.label_channels is None or self.tiered is not None
-                or self.default_params.method not in ("two_level", "ds")):
+        per key instead of gathering them from the key rows (r/D of the key cache's memory);
+        see SparseConfig.keeps_label_cache for when."""
+        if self.label_channels is None or not self.config.keeps_label_cache:
             return None
         from sglang_ext.kernels.label_cache import allocate_label_cache
 
