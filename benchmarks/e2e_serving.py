@@ -39,6 +39,13 @@ CONFIGS: dict[str, list[str]] = {
     "sglang_ext_tier": ["--attention-backend", "sglang_ext", "--sparse-budget", "2048",
                         "--sparse-block-size", "16", "--sparse-tier", "async",
                         "--sparse-tier-host-gb", os.environ.get("SGLANG_EXT_TIER_HOST_GB", "64")],
+    # the accuracy guard: probes every 16 steps and widens budgets (up to 4x) where recall < 0.9
+    "sglang_ext_guard": ["--attention-backend", "sglang_ext", "--sparse-budget", "2048",
+                         "--sparse-block-size", "16", "--sparse-guard-every", "16"],
+    # the guard's probes alone: a recall threshold it never meets, so budgets never move
+    "sglang_ext_probe": ["--attention-backend", "sglang_ext", "--sparse-budget", "2048",
+                         "--sparse-block-size", "16", "--sparse-guard-every", "16",
+                         "--sparse-guard-recall", "0.000001"],
     # the same, with FlashInfer (instead of SGLang's triton) running the dense prefill
     "sglang_ext_fi": ["--attention-backend", "sglang_ext", "--sparse-budget", "2048",
                       "--sparse-block-size", "16", "--sparse-dense-backend", "flashinfer"],
@@ -92,9 +99,11 @@ def server_log_stats(log_text: str) -> dict[str, int]:
               if "Traceback" in line or "memory leak" in line or "] Error:" in line]
     capacity = re.findall(r"max_total_num_tokens=(\d+)", log_text)
     tier = re.findall(r"sglang_ext tier stats: (\{.*\})", log_text)
+    guard = re.findall(r"sglang_ext guard: (\d+) probes, (\d+) raised, (\d+) lowered", log_text)
     return {
         "max_total_num_tokens": int(capacity[-1]) if capacity else None,
         "tier_stats": json.loads(tier[-1]) if tier else None,
+        "guard_probes_raised_lowered": [int(x) for x in guard[-1]] if guard else None,
         "server_errors": len(errors),
         "server_prefill_tokens": sum(int(m) for m in re.findall(r"#new-token: (\d+)", log_text)),
         "server_decode_log_lines": log_text.count("Decode batch"),
@@ -198,6 +207,8 @@ def main() -> int:
     p.add_argument("--startup-timeout", type=float, default=400)
     p.add_argument("--block-size", type=int, default=0,
                    help="ours: --sparse-block-size (= the page size); 0 keeps the config's 16")
+    p.add_argument("--results-name", default="e2e_h200",
+                   help="results file stem in --out (JSON and plot)")
     p.add_argument("--label-channels", type=int, default=16,
                    help="ours: random label channels per kv head (dummy weights have nothing to "
                         "calibrate); 0 = none, token scores then use every channel")
@@ -239,8 +250,8 @@ def main() -> int:
     for r in rows:
         r["speedup_vs_flashinfer"] = (r["output_tok_s"] / base["output_tok_s"]) if base and base["output_tok_s"] else None
     meta = {"commit": git_commit(), "gpu": gpu_name(), "model": os.path.basename(args.model)}
-    write_results(os.path.join(args.out, "e2e_h200.json"), rows, meta)
-    plot(rows, os.path.join(args.out, "e2e_h200.png"),
+    write_results(os.path.join(args.out, f"{args.results_name}.json"), rows, meta)
+    plot(rows, os.path.join(args.out, f"{args.results_name}.png"),
          f"{meta['gpu']}, {meta['model']} (dummy weights), bench_serving random-ids")
     print(f"{'backend':12} {'in':>7} {'out':>5} {'tok/s':>8} {'TPOT ms':>8} {'TTFT ms':>9} {'x FI':>6}")
     for r in rows:

@@ -231,15 +231,20 @@ def _topk_assemble_kernel(
     RADIX_BITS: tl.constexpr,
     EARLY_EXIT: tl.constexpr,
     HAS_PAGE_MAP: tl.constexpr,
+    K_ROWS,
+    HAS_K_ROWS: tl.constexpr,
 ):
     """The last top-k of the selection and the slot assembly of its row, in one program per
     (request, kv head): the winners go to TOP (global scratch, re-read from L1/L2 after a CTA
     barrier) and the row's whole slot list is written from them."""
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
+    k_row = None
+    if HAS_K_ROWS:
+        k_row = tl.load(K_ROWS + b)
     _topk_row(
         SCORES + b * stride_scb + g * stride_scg, TOP + b * stride_tb + g * stride_tg,
-        N, K, BLOCK, OUT_BLOCK, RESIDENT, RADIX_BITS, EARLY_EXIT,
+        N, K, BLOCK, OUT_BLOCK, RESIDENT, RADIX_BITS, EARLY_EXIT, k_row,
     )
     tl.debug_barrier()  # the row's winners, written by all threads, are visible to all
     for t in tl.static_range((BUDGET + ASM_BLOCK - 1) // ASM_BLOCK):
@@ -372,6 +377,7 @@ def select_slots_batched(
     on_blocks: Callable[[Tensor], None] | None = None,
     attend_blocks: Tensor | None = None,
     labels: Tensor | None = None,
+    row_ks: tuple[Tensor | None, Tensor | None] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Step 1-2 of the pipeline: the ``budget`` KV slots (int32 ``[B, Hkv, budget]``, ``-1``
     padded) each (request, kv head) attends; with ``return_positions`` also their positions.
@@ -387,7 +393,11 @@ def select_slots_batched(
     ``labels`` (``[num_slots, Hkv, r]``, :mod:`label_cache`: the ``channels`` of every key,
     stored contiguously) makes the token scoring read them instead of the pool's keys: the
     same scores from an eighth of the bytes at 16 of 128 channels. Not with ``page_map`` (the
-    tier addresses resident keys by device page)."""
+    tier addresses resident keys by device page).
+
+    ``row_ks`` = (per-request k of the block top-k, of the token top-k), int32 ``[B]`` each or
+    None, every value at most the workspace's (``params``') k: a request's smaller budget
+    inside a workspace sized for the largest (the accuracy guard, :mod:`selection.guard`)."""
     batch, num_q_heads, _ = q.shape
     num_kv_heads = k_buffer.shape[1]
     if workspace is None:
@@ -410,14 +420,16 @@ def select_slots_batched(
     top, cand = ws.slots, ws.slots  # dummies for unused pointers
     final = None  # (scores, k, out) of the last top-k when it is fused with the assembly
 
-    def run_topk(scores, k, out, last):
+    k_block_rows, k_token_rows = row_ks if row_ks is not None else (None, None)
+
+    def run_topk(scores, k, out, last, k_rows):
         nonlocal final
         # The tier needs the block filter's result before the assembly: no fusion then.
         if last and ws.fuse_assemble and not (tiered and ws.mode == _MODE_BLOCKS):
-            final = (scores, k, out)
+            final = (scores, k, out, k_rows)
             return out
         return topk_masked(scores, k, out=out, impl=ws.topk_impl,
-                           radix_bits=ws.topk_radix_bits)
+                           radix_bits=ws.topk_radix_bits, k_rows=k_rows)
 
     if ws.k_blocks:
         if kmin is None or kmax is None:
@@ -427,7 +439,8 @@ def select_slots_batched(
             params.sink, params.window, ws.max_blocks, out=ws.block_scores[:batch],
             precision=ws.block_score_precision,
         )
-        top = cand = run_topk(scores, ws.k_blocks, ws.top_blocks[:batch], not ws.k_tokens)
+        top = cand = run_topk(scores, ws.k_blocks, ws.top_blocks[:batch], not ws.k_tokens,
+                              k_block_rows)
         if on_blocks is not None:
             on_blocks(top)
         if attend_blocks is not None:
@@ -444,7 +457,7 @@ def select_slots_batched(
             channels=tok_channels, num_blocks=ws.max_blocks, scores_out=ws.token_scores[:batch],
             return_positions=False, page_map=page_map,
         )
-        top = run_topk(tok_scores, ws.k_tokens, ws.top_tokens[:batch], True)
+        top = run_topk(tok_scores, ws.k_tokens, ws.top_tokens[:batch], True, k_token_rows)
 
     slots = ws.slots[:batch]
     positions = ws.positions[:batch]
@@ -468,9 +481,10 @@ def select_slots_batched(
             grid = (batch, num_kv_heads, triton.cdiv(params.budget, block))
             _assemble_slots_kernel[grid](*common, BLOCK=block, num_warps=4, **consts)
         else:
-            fscores, k, _ = final
+            fscores, k, _, k_rows = final
             _topk_assemble_kernel[(batch, num_kv_heads)](
                 fscores, *common[:8], fscores.stride(0), fscores.stride(1), *common[8:],
+                K_ROWS=slots if k_rows is None else k_rows, HAS_K_ROWS=k_rows is not None,
                 ASM_BLOCK=block, EARLY_EXIT=True, **consts,
                 **topk_launch_config(fscores.shape[-1], k, ws.topk_radix_bits),
             )
@@ -495,6 +509,7 @@ def sparse_decode_batched(
     on_blocks: Callable[[Tensor], None] | None = None,
     attend_blocks: Tensor | None = None,
     labels: Tensor | None = None,
+    row_ks: tuple[Tensor | None, Tensor | None] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """One sparse decode step for a batch: ``out [B, Hq, Dv]`` in q's dtype (and the float32
     LSE ``[B, Hq]`` with ``return_lse``).
@@ -507,7 +522,8 @@ def sparse_decode_batched(
     With a ``workspace`` the result is a view of its buffers (valid until the next call).
     ``page_map``/``on_blocks``/``attend_blocks``: the CPU tier's hooks, see
     :func:`select_slots_batched` (the attention then reads the per-head device slots).
-    ``labels``: the layer's label cache (:mod:`label_cache`), see :func:`select_slots_batched`.
+    ``labels``: the layer's label cache (:mod:`label_cache`), ``row_ks``: per-request top-k
+    sizes; see :func:`select_slots_batched`.
     """
     batch, num_q_heads, _ = q.shape
     if workspace is None:
@@ -519,7 +535,7 @@ def sparse_decode_batched(
     slots = select_slots_batched(
         q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, kmax, params,
         channels=channels, workspace=workspace, page_map=page_map, on_blocks=on_blocks,
-        attend_blocks=attend_blocks, labels=labels,
+        attend_blocks=attend_blocks, labels=labels, row_ks=row_ks,
     )
     out, lse = sparse_attention_batched(
         q, k_buffer, v_buffer, slots, sm_scale,

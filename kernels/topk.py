@@ -76,9 +76,11 @@ def _topk_row(
     RESIDENT: tl.constexpr,
     RADIX_BITS: tl.constexpr,
     EARLY_EXIT: tl.constexpr,
+    k_row=None,
 ):
     """The top-k of one row: ``dst[0:K]`` = the winners' indices into ``src[0:N]`` in
-    ascending order, ``-1`` padded (the whole program works on this row)."""
+    ascending order, ``-1`` padded (the whole program works on this row). ``k_row`` (a runtime
+    value <= K, or None for K) lowers this row's k: the accuracy guard's per-request budgets."""
     offs0 = tl.arange(0, BLOCK)
     NUM_BINS: tl.constexpr = 1 << RADIX_BITS
     NUM_PASSES: tl.constexpr = (32 + RADIX_BITS - 1) // RADIX_BITS
@@ -117,6 +119,8 @@ def _topk_row(
                     hist += tl.histogram((u >> shift) & digit_mask, NUM_BINS, mask=match)
             if d == 0:
                 remaining = tl.minimum(tl.sum(hist, axis=0), K)  # k_eff = min(k, #finite)
+                if k_row is not None:
+                    remaining = tl.minimum(remaining, k_row)
                 k_eff = remaining
             bucket, above, in_bucket = _pick_bucket(hist, remaining, NUM_BINS)
             remaining = remaining - above
@@ -182,10 +186,16 @@ def _topk_kernel(
     RESIDENT: tl.constexpr,
     RADIX_BITS: tl.constexpr,
     EARLY_EXIT: tl.constexpr,
+    K_ROWS,
+    ROWS_PER_K,
+    HAS_K_ROWS: tl.constexpr,
 ):
     rid = tl.program_id(0).to(tl.int64)
+    k_row = None
+    if HAS_K_ROWS:
+        k_row = tl.load(K_ROWS + rid // ROWS_PER_K)
     _topk_row(S + rid * stride_s, OUT + rid * stride_o, N, K, BLOCK, OUT_BLOCK, RESIDENT,
-              RADIX_BITS, EARLY_EXIT)
+              RADIX_BITS, EARLY_EXIT, k_row)
 
 
 def topk_launch_config(n: int, k: int, radix_bits: int = 8) -> dict:
@@ -217,9 +227,13 @@ def topk_masked(
     impl: str = "triton",
     radix_bits: int = 8,
     early_exit: bool = True,
+    k_rows: Tensor | None = None,
 ) -> Tensor:
     """Indices (int32 ``[..., k]``) of the ``k`` largest finite entries of each row, ``-1``
     padded. See the module docstring for the two implementations.
+
+    ``k_rows`` (int32 ``[scores.shape[0]]``, values <= ``k``) gives each leading entry (all the
+    rows under it, e.g. a request's kv heads) its own k; the output keeps ``k`` columns.
 
     Triton only: ``radix_bits`` (5..8) is the digit width of the radix select (8: 4 passes of
     a 256-bin histogram; 6: 6 passes of a cheaper 64-bin one), ``early_exit`` skips the
@@ -233,8 +247,10 @@ def topk_masked(
         raise ValueError(f"out must be int32 {(*lead, k)}, got {out.dtype} {tuple(out.shape)}")
     if k == 0 or out.numel() == 0:
         return out
+    if k_rows is not None and (k_rows.dim() != 1 or k_rows.shape[0] != scores.shape[0]):
+        raise ValueError(f"k_rows must be [{scores.shape[0]}], got {tuple(k_rows.shape)}")
     if impl == "torch":
-        return _topk_masked_torch(scores, k, out)
+        return _topk_masked_torch(scores, k, out, k_rows)
     if impl != "triton":
         raise ValueError(f"impl must be 'triton' or 'torch', got {impl!r}")
 
@@ -248,32 +264,45 @@ def topk_masked(
         rows.stride(0),
         out_rows.stride(0),
         EARLY_EXIT=early_exit,
+        K_ROWS=out_rows if k_rows is None else k_rows,
+        ROWS_PER_K=max(1, rows.shape[0] // max(1, scores.shape[0])),
+        HAS_K_ROWS=k_rows is not None,
         **topk_launch_config(n, k, radix_bits),
     )
     return out
 
 
-def _topk_masked_torch(scores: Tensor, k: int, out: Tensor) -> Tensor:
+def _topk_masked_torch(scores: Tensor, k: int, out: Tensor, k_rows: Tensor | None = None) -> Tensor:
     n = scores.shape[-1]
     kk = min(k, n)
     if kk > 0:
-        vals, idx = torch.topk(scores, kk, dim=-1, largest=True, sorted=False)
-        out[..., :kk] = torch.where(vals > float("-inf"), idx, -1).to(torch.int32)
+        # Per-row k keeps the first k_row of the winners sorted by score: sorted=True then.
+        vals, idx = torch.topk(scores, kk, dim=-1, largest=True, sorted=k_rows is not None)
+        keep = vals > float("-inf")
+        if k_rows is not None:
+            rank = torch.arange(kk, device=scores.device)
+            shape = (k_rows.shape[0],) + (1,) * (scores.dim() - 1)
+            keep &= rank < k_rows.to(scores.device).view(shape)
+        out[..., :kk] = torch.where(keep, idx, -1).to(torch.int32)
     if kk < k:
         out[..., kk:] = -1
     return out
 
 
-def topk_masked_ref(scores: Tensor, k: int) -> Tensor:
+def topk_masked_ref(scores: Tensor, k: int, k_rows: Tensor | None = None) -> Tensor:
     """Reference: the winners of each row (ties to the lower index, as the selection
-    reference's ``_top_k_mask``) in ascending index order, ``-1`` padded: int32 ``[..., k]``."""
+    reference's ``_top_k_mask``) in ascending index order, ``-1`` padded: int32 ``[..., k]``
+    (``k_rows``: see :func:`topk_masked`)."""
     lead, n = scores.shape[:-1], scores.shape[-1]
     rows = scores.reshape(-1, n)
+    rows_per_k = rows.shape[0] // max(1, scores.shape[0]) if k_rows is not None else 1
     out = torch.full((rows.shape[0], k), -1, dtype=torch.int32, device=scores.device)
     for i in range(rows.shape[0]):
         row = rows[i]
         finite = torch.nonzero(row > float("-inf")).flatten()
         kk = min(k, finite.numel())
+        if k_rows is not None:
+            kk = min(kk, int(k_rows[i // rows_per_k]))
         if kk == 0:
             continue
         # stable sort by descending score: equal scores keep ascending index order

@@ -47,6 +47,9 @@ class SparseConfig:
     locality_blocks: int = 0  # NOSA k_e: query-agnostic blocks per kv head (0 = off)
     eviction_score: str = "attention"
     dense_decode: str = "sglang"  # reference decode's dense rows: see DENSE_DECODE_MODES
+    guard_every: int = 0  # accuracy guard: decode steps between two recall probes (0 = off)
+    guard_recall: float = 0.9  # the guard doubles a request's budget below this recall
+    guard_max_budget: int = 0  # 0 = auto: 4x --sparse-budget
 
     @property
     def keeps_label_cache(self) -> bool:
@@ -55,6 +58,10 @@ class SparseConfig:
         token scores read the resident keys by device page)."""
         return (self.label_config is not None and self.method in ("two_level", "ds")
                 and self.tier == "off")
+
+    @property
+    def effective_guard_max_budget(self) -> int:
+        return self.guard_max_budget if self.guard_max_budget > 0 else 4 * self.budget
 
     @property
     def effective_candidate_blocks(self) -> int:
@@ -113,6 +120,17 @@ _FLAGS: tuple[tuple[str, str, str, str], ...] = (
      "Dense decode rows of the reference (CPU) decode: sglang = the same SDPA call as SGLang's "
      "torch_native backend (bit-identical outputs); float32 = the same attention in float32 "
      "(~8x faster per bf16 row on a CPU, rounded differently)."),
+    ("guard_every", "--sparse-guard-every", "STEPS",
+     "Accuracy guard: every this many decode steps, measure for one kv head per layer the share "
+     "of the dense attention mass the sparse selection keeps (recall), and double a request's "
+     "budget when it is below --sparse-guard-recall (halve it again, down to --sparse-budget, "
+     "when it is high). Requests decode densely until their context exceeds the guard's largest "
+     "budget. 0 = off."),
+    ("guard_recall", "--sparse-guard-recall", "FRACTION",
+     "Recall under which the guard doubles a request's budget (it halves it at or above "
+     "1 - (1 - FRACTION) / 4)."),
+    ("guard_max_budget", "--sparse-guard-max-budget", "TOKENS",
+     "Largest budget the guard may raise a request to (0 = 4x --sparse-budget)."),
     ("tier_gpu_tokens", "--sparse-tier-gpu-tokens", "TOKENS",
      "KV slots homed on the GPU with the tier on (0 = all the GPU holds beside the tier's "
      "working area); a small value forces requests onto the host (tests)."),
@@ -242,6 +260,23 @@ def _validate(cfg: SparseConfig) -> None:
             )
     if cfg.tier_gpu_tokens < 0:
         fail("tier_gpu_tokens", "must be >= 0 (0 = auto)")
+    if cfg.guard_every < 0:
+        fail("guard_every", "must be >= 0 (0 = off)")
+    if not 0.0 < cfg.guard_recall < 1.0:
+        fail("guard_recall", "must be in (0, 1)")
+    if cfg.guard_max_budget < 0:
+        fail("guard_max_budget", "must be >= 0 (0 = 4x --sparse-budget)")
+    if cfg.guard_max_budget and cfg.guard_max_budget < cfg.budget:
+        raise ConfigError(
+            f"--sparse-guard-max-budget must be >= --sparse-budget "
+            f"(got {cfg.guard_max_budget} < {cfg.budget})"
+        )
+    if cfg.guard_every > 0:
+        if cfg.tier != "off":
+            fail("guard_every", "needs --sparse-tier off (the tier's working sets are sized for "
+                 "--sparse-budget)")
+        if cfg.locality_blocks > 0:
+            fail("guard_every", "cannot be combined with --sparse-locality-blocks")
     if cfg.tier != "off":
         if cfg.method not in TIER_METHODS:
             raise ConfigError(

@@ -64,7 +64,8 @@ def test_help_lists_our_flags():
     for flag in ("--sparse-budget", "--sparse-block-size", "--sparse-candidate-blocks",
                  "--sparse-sink", "--sparse-window", "--sparse-label-channels",
                  "--sparse-method", "--sparse-label-config", "--sparse-tier",
-                 "--sparse-tier-host-gb", "--sparse-tier-gpu-tokens"):
+                 "--sparse-tier-host-gb", "--sparse-tier-gpu-tokens", "--sparse-guard-every",
+                 "--sparse-guard-recall", "--sparse-guard-max-budget"):
         assert flag in out.stdout
     assert "sglang_ext" in out.stdout  # the backend name is an allowed --attention-backend
 
@@ -76,6 +77,7 @@ BAD_LAUNCHES = [
     (["--sparse-budget", "64", "--sparse-sink", "32", "--sparse-window", "64"], "--sparse-budget"),
     (["--sparse-tier", "async", "--sparse-method", "ds"], "--sparse-tier"),
     (["--sparse-tier", "sync", "--sparse-tier-host-gb", "100000"], "--sparse-tier-host-gb"),
+    (["--sparse-guard-every", "8", "--sparse-guard-recall", "1.2"], "--sparse-guard-recall"),
 ]
 
 

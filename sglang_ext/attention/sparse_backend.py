@@ -33,6 +33,14 @@ from sglang_ext.config import SparseConfig
 from sglang_ext.memory_tier.tiered_pool import TieredKVPool
 from sglang_ext.selection import select_token_mask, sparse_attention
 from sglang_ext.selection.calibrate import load_label_config
+from sglang_ext.selection.guard import (
+    GuardPolicy,
+    RequestGuard,
+    next_budget,
+    row_top_k,
+    selection_recall,
+    widened,
+)
 from sglang_ext.selection.reference import BatchedSparseDecode
 
 if TYPE_CHECKING:
@@ -43,6 +51,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 TIER_LOG_EVERY = 256  # decode steps between two log lines of the CPU tier's counters
 LOCALITY_LOG_EVERY = 512  # (request, layer) selections between two locality log lines
+GUARD_REPORT_EVERY = 128  # decode steps between two reads of the CUDA guard's counters
 
 
 @dataclass
@@ -92,6 +101,8 @@ class DecodeMetadata:
     req_pool_indices: list[int]
     seq_lens: list[int]
     sparsity: list[RequestSparsity]  # per request: its selection params, None = dense
+    # Accuracy guard (reference decode): per request, its guard when it probes this step.
+    guards: Optional[list[Optional[RequestGuard]]] = None
     # The sparse requests' batched selection (index work shared by all layers), built lazily.
     sparse_plan: Optional[tuple[torch.Tensor, BatchedSparseDecode]] = None
 
@@ -114,6 +125,21 @@ class SparseDecodeBackend(AttentionBackend):
         self._dense: Optional[AttentionBackend] = None
         self.decode_metadata: Optional[DecodeMetadata] = None
         self.default_params = request_overrides.selection_params(config)
+        # The accuracy guard (--sparse-guard-every): per-request budgets between the configured
+        # one and its maximum; the batched kernels run in a workspace sized for the maximum.
+        self.guard: Optional[GuardPolicy] = None
+        self.kernel_params = self.default_params
+        self._guard_totals = [0, 0, 0]  # probes, raised, lowered
+        self._guard_steps = 0
+        self._guard_metrics = None
+        if config.guard_every > 0:
+            self.guard = GuardPolicy(config.guard_every, config.guard_recall, config.budget,
+                                     config.effective_guard_max_budget)
+            self.kernel_params = widened(self.default_params, self.guard.max_budget)
+            if getattr(getattr(model_runner, "server_args", None), "enable_metrics", False):
+                from sglang_ext.selection.guard import GuardMetrics
+
+                self._guard_metrics = GuardMetrics()
         self.label_channels = self._load_label_channels(model_runner, config)
         self.summaries: Optional[PageSummaries] = None
         self.labels: Optional[list[torch.Tensor]] = None  # per layer, see _allocate_label_cache
@@ -145,6 +171,8 @@ class SparseDecodeBackend(AttentionBackend):
                 )
             self.summaries = PageSummaries.allocate(self.token_to_kv_pool, page_size, self.device)
             self.labels = self._allocate_label_cache()
+            if self.guard is not None:
+                self._allocate_guard_state()
 
     # ------------------------------------------------------------------ set-up
 
@@ -165,6 +193,29 @@ class SparseDecodeBackend(AttentionBackend):
         logger.info("sglang_ext label cache: %d channels of %d, %.2f GiB", r, k0.shape[2],
                     sum(t.numel() * t.element_size() for t in labels) / 2**30)
         return labels
+
+    def _allocate_guard_state(self) -> None:
+        """Device state of the guard for the batched decode: every row's budget, the probe
+        control (probe?, kv head) filled before each step, counters, the probe's buffers."""
+        from sglang_ext.kernels.guard_probe import GuardProbe
+
+        req_to_token = self.req_to_token_pool.req_to_token
+        rows = req_to_token.shape[0]
+        pool = self.token_to_kv_pool
+        mc = self.model_runner.model_config
+        group = mc.num_attention_heads // mc.get_total_num_kv_heads()
+        dev = self.device
+        self._guard_budget = torch.full((rows,), self.guard.base_budget, dtype=torch.int32,
+                                        device=dev)
+        self._guard_streak = torch.zeros(rows, dtype=torch.int32, device=dev)
+        self._guard_ctrl = torch.zeros(2, dtype=torch.int32, device=dev)
+        self._guard_counts = torch.zeros(3, dtype=torch.int64, device=dev)
+        self._guard_row_ks: Any = None
+        self._guard_probe = GuardProbe(
+            max_batch=rows, num_q_heads=pool.head_num * group, num_kv_heads=pool.head_num,
+            head_dim=pool.get_key_buffer(pool.start_layer).shape[-1],
+            min_len=self.guard.max_budget, max_context=req_to_token.shape[1], device=dev,
+        )
 
     @staticmethod
     def _load_label_channels(
@@ -214,6 +265,8 @@ class SparseDecodeBackend(AttentionBackend):
             if mode.is_idle() or self.impl == "triton":
                 # The kernels read req_pool_indices / seq_lens from the batch on the device.
                 self.decode_metadata = None
+                if self.guard is not None and not mode.is_idle():
+                    self._guard_step_control()
                 return
             seq_lens_cpu = forward_batch.seq_lens_cpu
             if seq_lens_cpu is None:
@@ -227,8 +280,90 @@ class SparseDecodeBackend(AttentionBackend):
                     for row in rows
                 ],
             )
+            if self.guard is not None:
+                self._guard_plan(self.decode_metadata)
         else:
+            if self.guard is not None:
+                self._guard_reset_rows(forward_batch)
             self._dense_backend().init_forward_metadata(forward_batch)
+
+    # ---------------------------------------------------------- accuracy guard
+
+    def _guard_reset_rows(self, forward_batch: ForwardBatch) -> None:
+        """A request being prefilled starts at its base budget (rows are reused)."""
+        if self.impl == "triton":
+            rows = forward_batch.req_pool_indices.long()
+            self._guard_budget.index_fill_(0, rows, self.guard.base_budget)
+            self._guard_streak.index_fill_(0, rows, 0)
+            return
+        states = request_overrides.row_state(self.req_to_token_pool)
+        for row in forward_batch.req_pool_indices.tolist():
+            states.get(row, {}).pop("guard", None)
+
+    def _guard_plan(self, meta: DecodeMetadata) -> None:
+        """Reference decode: each sparse request's current budget, and which requests probe."""
+        states = request_overrides.row_state(self.req_to_token_pool)
+        num_kv_heads = self.token_to_kv_pool.get_key_buffer(
+            self.token_to_kv_pool.start_layer).shape[1]
+        meta.guards = [None] * len(meta.seq_lens)
+        for i, (row, seq_len, params) in enumerate(
+            zip(meta.req_pool_indices, meta.seq_lens, meta.sparsity)
+        ):
+            if params is None:
+                continue
+            row_states = states.setdefault(row, {})
+            guard = row_states.get("guard")
+            if guard is None:
+                guard = row_states["guard"] = RequestGuard(self.guard, params, num_kv_heads)
+            meta.sparsity[i] = guard.begin_step(seq_len)
+            if guard.probe_head is not None:
+                meta.guards[i] = guard
+
+    def _guard_finish_reference(self, meta: DecodeMetadata) -> None:
+        """After the last layer: move the probed requests' budgets (reference decode)."""
+        for i, guard in enumerate(meta.guards):
+            if guard is None:
+                continue
+            head = guard.probe_head
+            recall, old, new = guard.finish_step()
+            self._guard_totals[0] += 1
+            if new != old:
+                self._guard_totals[1 if new > old else 2] += 1
+                logger.info("sglang_ext guard: request row %d recall %.3f (kv head %d): budget "
+                            "%d -> %d", meta.req_pool_indices[i], recall, head, old, new)
+        if self._guard_metrics is not None:
+            self._guard_metrics.update(*self._guard_totals)
+
+    def _guard_step_control(self) -> None:
+        """Batched decode: tell this step's probe kernels whether to run and on which kv head
+        (two device fills, no sync); now and then read and report the counters."""
+        step = self._guard_steps
+        self._guard_steps += 1
+        num_kv_heads = self.token_to_kv_pool.head_num
+        self._guard_ctrl[0].fill_(int(self.guard.is_probe_step(step)))
+        self._guard_ctrl[1].fill_(self.guard.probe_head(step, num_kv_heads))
+        if step and step % GUARD_REPORT_EVERY == 0:  # a host sync: rarely
+            totals = self._guard_counts.tolist()
+            logger.info("sglang_ext guard: %d probes, %d raised, %d lowered", *totals)
+            if self._guard_metrics is not None:
+                self._guard_metrics.update(*totals)
+
+    def _guard_finish_kernels(self, forward_batch: ForwardBatch) -> None:
+        """After the last layer (batched decode, inside the CUDA graph): the probed requests'
+        new budgets, computed on the device; padding entries (length 1) and dense requests
+        change nothing, and duplicate padding rows add zeros."""
+        rows = forward_batch.req_pool_indices.long()
+        batch = rows.shape[0]
+        recall = self._guard_probe.recall_sum[:batch] / self.token_to_kv_pool.layer_num
+        old, old_streak = self._guard_budget[rows], self._guard_streak[rows]
+        new, streak = next_budget(self.guard, old, old_streak, recall)
+        probed = (self._guard_ctrl[0] != 0) & (forward_batch.seq_lens > self.guard.max_budget)
+        zero = torch.zeros_like(old)
+        delta = torch.where(probed, new - old, zero)
+        self._guard_budget.index_put_((rows,), delta, accumulate=True)
+        self._guard_streak.index_put_((rows,), torch.where(probed, streak - old_streak, zero),
+                                      accumulate=True)
+        self._guard_counts += torch.stack([probed.sum(), (delta > 0).sum(), (delta < 0).sum()])
 
     def _prepare_tier(self, forward_batch: ForwardBatch) -> None:
         """Host-side tier work before a batch: stage prefill pages (extend), start decoding
@@ -408,6 +543,12 @@ class SparseDecodeBackend(AttentionBackend):
             )
             tier_args = dict(page_map=tier.page_map(layer_index), on_blocks=on_blocks,
                              attend_blocks=attend)
+        guard = self.guard is not None
+        if guard and layer_index == 0:
+            # This step's per-request top-k sizes, from the budgets the guard left last step.
+            budgets = self._guard_budget[forward_batch.req_pool_indices.long()]
+            self._guard_row_ks = row_top_k(self.default_params, budgets)
+            self._guard_probe.recall_sum.zero_()
         out = sparse_decode_batched(
             q,
             k_buffer,
@@ -417,13 +558,22 @@ class SparseDecodeBackend(AttentionBackend):
             forward_batch.seq_lens,
             self.summaries.kmin[layer_index],
             self.summaries.kmax[layer_index],
-            self.default_params,
+            self.kernel_params,
             layer.scaling,
             channels=channels,
             workspace=self._ensure_workspace(q.shape[0]),
             labels=None if self.labels is None else self.labels[layer_index],
+            return_lse=guard,
+            row_ks=self._guard_row_ks if guard else None,
             **tier_args,
         )
+        if guard:
+            out, lse = out
+            self._guard_probe.run(self._guard_ctrl, q, k_buffer, req_to_token,
+                                  forward_batch.req_pool_indices, forward_batch.seq_lens, lse,
+                                  layer.scaling)
+            if layer.layer_id == self.token_to_kv_pool.end_layer - 1:
+                self._guard_finish_kernels(forward_batch)
         if tier is not None:
             tier.after_layer(layer_index, forward_batch.req_pool_indices, req_to_token,
                              k_buffer, v_buffer)
@@ -449,7 +599,7 @@ class SparseDecodeBackend(AttentionBackend):
             num_q_heads=pool.head_num * group,
             num_kv_heads=pool.head_num,
             head_dim_v=pool.v_head_dim,
-            params=self.default_params,
+            params=self.kernel_params,
             max_blocks=-(-self.req_to_token_pool.req_to_token.shape[1] // self.config.block_size),
             device=self.device,
             dtype=self.model_runner.dtype,
@@ -485,8 +635,9 @@ class SparseDecodeBackend(AttentionBackend):
             zip(meta.req_pool_indices, meta.seq_lens, meta.sparsity)
         ):
             local = self._uses_locality(params)
+            guard = meta.guards[i] if meta.guards is not None else None
             if self.tiered is None and params is not None and seq_len > params.budget \
-                    and not local:
+                    and not local and guard is None:
                 sparse.append(i)
                 continue
             slots = req_to_token[row, :seq_len]
@@ -504,6 +655,11 @@ class SparseDecodeBackend(AttentionBackend):
             else:
                 mask = select_token_mask(q[i], keys, params, channels)
                 out[i] = sparse_attention(q[i], keys, values, mask, layer.scaling)
+                if guard is not None:
+                    guard.add_recall(selection_recall(q[i], keys, mask, layer.scaling,
+                                                      guard.probe_head))
+        if meta.guards is not None and layer.layer_id == self.token_to_kv_pool.end_layer - 1:
+            self._guard_finish_reference(meta)
         if sparse:
             # The same token sets as select_token_mask per request; the key-side work is done
             # once per pool slot that requests share (a prompt decoded under many settings).

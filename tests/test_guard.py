@@ -1,0 +1,256 @@
+"""The accuracy guard (sglang_ext/selection/guard.py, kernels/guard_probe.py, the backend).
+
+* the rule: doubles below the low recall, halves after PATIENCE high probes, stays in range;
+* per-request top-k sizes in the batched kernels select what the widened params select;
+* the probe kernel's recall equals exp(lse_selected - lse_dense) from the torch reference, and
+  does nothing on non-probe steps;
+* through the backend's decode (reference path): a constructed case whose attention mass sits
+  on more tokens than the budget holds raises the budget; one whose few heavy tokens are inside
+  the selection leaves it alone; a guard that never fires changes no output.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_ext.attention import request_overrides
+from sglang_ext.attention.sparse_backend import SparseDecodeBackend
+from sglang_ext.config import ConfigError, build_config
+from sglang_ext.kernels.guard_probe import GuardProbe, probe_recall_ref
+from sglang_ext.kernels.sparse_decode import (
+    SparseDecodeWorkspace,
+    select_slots_batched,
+    sparse_decode_batched,
+    sparse_decode_batched_ref,
+)
+from sglang_ext.kernels.testing import case_generator, make_paged_batch, random_values
+from sglang_ext.kernels.topk import topk_masked, topk_masked_ref
+from sglang_ext.selection.guard import (
+    PATIENCE,
+    GuardPolicy,
+    next_budget,
+    row_top_k,
+    selection_recall,
+    widened,
+)
+from sglang_ext.selection.reference import SelectionParams, select_token_mask
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_rule_raises_lowers_and_stays_in_range():
+    policy = GuardPolicy(every=4, low=0.9, base_budget=64, max_budget=256)
+    b = torch.tensor([64, 128, 256, 64, 128])
+    streak = torch.tensor([0, 0, 0, PATIENCE - 1, PATIENCE - 2])
+    recall = torch.tensor([0.5, 0.5, 0.5, 0.99, 0.99])
+    new, new_streak = next_budget(policy, b, streak, recall)
+    assert new.tolist() == [128, 256, 256, 64, 128]  # raise, raise, capped, floor, not yet
+    assert new_streak.tolist() == [0, 0, 0, 0, PATIENCE - 1]
+    # between the thresholds: nothing moves, the streak restarts
+    new, new_streak = next_budget(policy, torch.tensor([128]), torch.tensor([2]),
+                                  torch.tensor([0.95]))
+    assert (new.item(), new_streak.item()) == (128, 0)
+    # PATIENCE high probes in a row halve a raised budget once
+    budget, streak = torch.tensor([256]), torch.tensor([0])
+    for _ in range(PATIENCE):
+        budget, streak = next_budget(policy, budget, streak, torch.tensor([0.999]))
+    assert budget.item() == 128
+    assert policy.high == pytest.approx(0.975)
+    assert [policy.is_probe_step(s) for s in range(6)] == [True, False, False, False, True, False]
+
+
+@pytest.mark.parametrize("values, flag", [
+    ({"guard_every": -1}, "--sparse-guard-every"),
+    ({"guard_recall": 1.5}, "--sparse-guard-recall"),
+    ({"guard_recall": "high"}, "--sparse-guard-recall"),
+    ({"guard_max_budget": 100, "budget": 512}, "--sparse-guard-max-budget"),
+    ({"guard_every": 8, "tier": "sync", "method": "quest"}, "--sparse-guard-every"),
+    ({"guard_every": 8, "locality_blocks": 2}, "--sparse-guard-every"),
+])
+def test_bad_guard_flags_name_the_flag(values, flag):
+    with pytest.raises(ConfigError) as e:
+        build_config(**values)
+    assert flag in str(e.value) and "\n" not in str(e.value)
+
+
+def test_topk_per_row_k_matches_reference():
+    gen = case_generator("topk-rows")
+    scores = torch.randn(3, 2, 70, generator=gen)
+    scores[1, 0, 10:] = float("-inf")  # fewer finite entries than k
+    k_rows = torch.tensor([7, 20, 1], dtype=torch.int32)
+    expect = topk_masked_ref(scores, 20, k_rows)
+    for impl in ("triton", "torch"):
+        got = topk_masked(scores.to(DEVICE), 20, impl=impl, k_rows=k_rows.to(DEVICE)).cpu()
+        for b in range(3):
+            for g in range(2):
+                assert set(got[b, g].tolist()) == set(expect[b, g].tolist()), (impl, b, g)
+
+
+@pytest.mark.parametrize("method", ["quest", "ds", "two_level"])
+def test_batched_decode_with_per_request_budgets(method):
+    """A workspace sized for the guard's largest budget, each request at its own budget, selects
+    and attends exactly what the oracle does at that request's widened params."""
+    hq, hkv, d, bs = 6, 2, 16, 4
+    base = SelectionParams(method, 24, bs, 4, 3, 5)
+    top = widened(base, 96)
+    lens = [300, 250, 180]
+    budgets = torch.tensor([24, 48, 96], dtype=torch.int32)
+    gen = case_generator("guard-rows", method)
+    pb = make_paged_batch(gen, lens, hkv, d, bs, dtype=torch.float32, device=DEVICE)
+    q = random_values(gen, len(lens), hq, d, device=DEVICE)
+    ws = SparseDecodeWorkspace(len(lens), hq, hkv, d, top, pb.max_blocks, DEVICE, torch.float32)
+    row_ks = tuple(None if k is None else k.to(DEVICE) for k in row_top_k(base, budgets))
+    args = (q, pb.k_buffer)
+    tail = (pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.kmin, pb.kmax, top)
+    _, pos = select_slots_batched(*args, *tail, workspace=ws, return_positions=True,
+                                  row_ks=row_ks)
+    pos = pos.clone()
+    out, lse = sparse_decode_batched(*args, pb.v_buffer, *tail, d ** -0.5, workspace=ws,
+                                     return_lse=True, row_ks=row_ks)
+    for b, budget in enumerate(budgets.tolist()):
+        params = widened(base, budget)
+        sl = slice(b, b + 1)
+        ref_out, ref_lse, masks = sparse_decode_batched_ref(
+            q[sl], pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices[sl],
+            pb.seq_lens[sl], params, d ** -0.5)
+        for g in range(hkv):
+            got = pos[b, g][pos[b, g] >= 0].long().sort().values
+            assert torch.equal(got.cpu(), masks[0][g].nonzero().flatten().cpu()), (b, g)
+        torch.testing.assert_close(out[sl].float(), ref_out.float(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(lse[sl], ref_lse, rtol=1e-4, atol=1e-3)
+
+
+def test_probe_kernel_matches_reference():
+    hq, hkv, d, bs = 6, 2, 32, 4
+    gen = case_generator("probe")
+    lens = [300, 40, 257]
+    pb = make_paged_batch(gen, lens, hkv, d, bs, dtype=torch.bfloat16, device=DEVICE)
+    q = random_values(gen, len(lens), hq, d, dtype=torch.bfloat16, device=DEVICE)
+    params = SelectionParams("two_level", 48, bs, 8, 3, 5)
+    _, sparse_lse = sparse_decode_batched(q, pb.k_buffer, pb.v_buffer, pb.req_to_token,
+                                          pb.req_pool_indices, pb.seq_lens, pb.kmin, pb.kmax,
+                                          params, d ** -0.5, return_lse=True)
+    probe = GuardProbe(4, hq, hkv, d, min_len=48, max_context=pb.req_to_token.shape[1],
+                       device=DEVICE, num_splits=4)
+    for ctrl in ([1, 1], [1, 0], [0, 1]):
+        ctrl = torch.tensor(ctrl, dtype=torch.int32, device=DEVICE)
+        probe.recall_sum.fill_(0.25)  # accumulates on top of what is there
+        probe.run(ctrl, q, pb.k_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens,
+                  sparse_lse, d ** -0.5)
+        expect = probe_recall_ref(ctrl.cpu(), q.cpu(), pb.k_buffer.cpu(), pb.req_to_token.cpu(),
+                                  pb.req_pool_indices.cpu(), pb.seq_lens.cpu(), sparse_lse.cpu(),
+                                  d ** -0.5, 48) + 0.25
+        torch.testing.assert_close(probe.recall_sum[:3].cpu(), expect, rtol=2e-2, atol=2e-2)
+        if int(ctrl[0]):
+            assert (expect[[0, 2]] < 1.25).all() and expect[1] == 0.25  # short one: dense
+
+
+# ---------------------------------------------------------------- through the backend
+
+HQ, HKV, D, LAYERS, SLOTS = 6, 2, 16, 2, 4096
+
+
+class FakePool:
+    start_layer, end_layer, layer_num = 0, LAYERS, LAYERS
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k = [k.clone() for _ in range(LAYERS)]
+        self.v = [v.clone() for _ in range(LAYERS)]
+
+    def set_kv_buffer(self, layer, loc_info, k, v) -> None:
+        self.k[layer.layer_id][loc_info.loc] = k.view(-1, HKV, D)
+        self.v[layer.layer_id][loc_info.loc] = v.view(-1, HKV, D)
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v[layer_id]
+
+
+class DecodeMode:
+    def is_decode_or_idle(self) -> bool:
+        return True
+
+    def is_idle(self) -> bool:
+        return False
+
+
+def _needle_case(num_needles: int, strength: float, length: int = 400):
+    """Keys of one request where the query's attention mass sits on ``num_needles`` scattered
+    positions (keys along the query's direction); the rest is noise."""
+    g = torch.Generator().manual_seed(num_needles)
+    direction = torch.randn(HKV, D, generator=g)
+    direction /= direction.norm(dim=-1, keepdim=True)
+    k = torch.randn(SLOTS, HKV, D, generator=g) * 0.5
+    v = torch.randn(SLOTS, HKV, D, generator=g)
+    needles = (torch.randperm(length - 100, generator=g)[:num_needles] + 50)
+    k[needles + 1] = direction * strength  # slot = position + 1 (slot 0 is padding)
+    q = (direction * strength).repeat_interleave(HQ // HKV, dim=0)  # [Hq, D]
+    return k, v, q
+
+
+def _run_decode(guard: dict, k, v, q, length: int = 400, steps: int = 6):
+    """Decode ``steps`` tokens of one request through the backend (both layers). Returns the
+    outputs per step and the guard's row state."""
+    cfg = build_config(budget=32, block_size=4, sink=4, window=8, method="two_level", **guard)
+    max_context = length + steps + 1
+    runner = SimpleNamespace(
+        device="cpu",
+        req_to_token_pool=SimpleNamespace(
+            req_to_token=torch.zeros(4, max_context, dtype=torch.int32)),
+        token_to_kv_pool=FakePool(k, v),
+    )
+    backend = SparseDecodeBackend(runner, cfg)
+    row = 2
+    runner.req_to_token_pool.req_to_token[row] = torch.arange(1, max_context + 1).int()
+    request_overrides.record(runner.req_to_token_pool, [SimpleNamespace(
+        req_pool_idx=row, sampling_params=SimpleNamespace(custom_params=None))], cfg)
+    layers = [SimpleNamespace(layer_id=i, tp_q_head_num=HQ, tp_k_head_num=HKV, qk_head_dim=D,
+                              v_head_dim=D, scaling=D ** -0.5) for i in range(LAYERS)]
+    outputs = []
+    for step in range(steps):
+        seq_len = length + step
+        batch = SimpleNamespace(
+            forward_mode=DecodeMode(), req_pool_indices=torch.tensor([row]),
+            seq_lens=torch.tensor([seq_len]), seq_lens_cpu=torch.tensor([seq_len]),
+            out_cache_loc=torch.tensor([seq_len]),  # slot of position seq_len - 1
+        )
+        backend.init_forward_metadata(batch)
+        outs = [backend.forward_decode(q.reshape(1, -1), k[seq_len:seq_len + 1].reshape(1, -1),
+                                       v[seq_len:seq_len + 1].reshape(1, -1), layer, batch)
+                for layer in layers]
+        outputs.append(torch.stack(outs))
+    state = request_overrides.row_state(runner.req_to_token_pool).get(row, {}).get("guard")
+    return outputs, state, backend
+
+
+def test_guard_raises_budget_when_mass_is_outside_the_selection():
+    k, v, q = _needle_case(num_needles=60, strength=4.0)
+    mask = select_token_mask(q, k[1:401], SelectionParams("two_level", 32, 4, 12, 4, 8))
+    assert selection_recall(q, k[1:401], mask, D ** -0.5, 0) < 0.9  # the case is what it says
+    _, state, backend = _run_decode({"guard_every": 2, "guard_max_budget": 128}, k, v, q)
+    assert state.budget == 128  # 32 -> 64 -> 128 (capped) over the probes at steps 0, 2
+    assert backend._guard_totals[1] >= 2 and backend._guard_totals[2] == 0
+
+
+def test_guard_leaves_budget_alone_when_mass_is_inside():
+    k, v, q = _needle_case(num_needles=4, strength=6.0)
+    mask = select_token_mask(q, k[1:401], SelectionParams("two_level", 32, 4, 12, 4, 8))
+    assert selection_recall(q, k[1:401], mask, D ** -0.5, 0) > 0.97
+    _, state, backend = _run_decode({"guard_every": 2, "guard_max_budget": 128}, k, v, q)
+    assert state.budget == 32 and backend._guard_totals == [3, 0, 0]
+
+
+def test_guard_that_never_fires_changes_nothing():
+    k, v, q = _needle_case(num_needles=60, strength=4.0)
+    off, _, _ = _run_decode({}, k, v, q)
+    # recall threshold ~0: never raises; the budget cannot go below its base either
+    on, state, backend = _run_decode({"guard_every": 1, "guard_recall": 1e-9,
+                                      "guard_max_budget": 128}, k, v, q)
+    assert state.budget == 32 and backend._guard_totals[0] == 6
+    for a, b in zip(off, on):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
