@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)  # what the kernels may read (Triton allows constexpr globals only)
 _BLOCK_N = 128  # context positions per tile
 
 
@@ -164,7 +165,7 @@ class GuardProbe:
         gp = max(16, triton.next_power_of_2(self.group))  # tl.dot needs M >= 16
         _dense_lse_split_kernel[(batch, self.num_splits)](
             ctrl, q, k_buffer, req_to_token, req_pool_indices, seq_lens, self.part_m,
-            self.part_s, scaling * _LOG2E, q.stride(0), q.stride(1), k_buffer.stride(0),
+            self.part_s, scaling * LOG2E, q.stride(0), q.stride(1), k_buffer.stride(0),
             k_buffer.stride(1), req_to_token.stride(0), self.part_m.stride(0),
             self.part_m.stride(1), MIN_LEN=self.min_len, SPAN_TILES=self.span_tiles,
             GROUP=self.group, GROUP_PAD=gp, HEAD_DIM=self.head_dim,
