@@ -111,24 +111,29 @@ def server_log_stats(log_text: str) -> dict[str, int]:
 
 
 def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    """Output throughput (whole run, prefill included) and median inter-token latency (the
+    decode step) per backend and input length."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    backends = sorted({r["backend"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
     contexts = sorted({r["input_len"] for r in rows})
     width = 0.8 / len(backends)
-    for i, backend in enumerate(backends):
-        ys = [next((r["output_tok_s"] for r in rows if r["backend"] == backend and r["input_len"] == c), 0)
-              for c in contexts]
-        ax.bar([j + i * width for j in range(len(contexts))], ys, width, label=backend)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(contexts))], [f"{c // 1024}k" for c in contexts])
-    ax.set_xlabel("input tokens")
-    ax.set_ylabel("output tokens/s")
-    ax.set_title(title, fontsize=9)
-    ax.legend()
+    for ax, key, label in ((axes[0], "output_tok_s", "output tokens/s (whole run)"),
+                           (axes[1], "median_itl_ms", "median ITL = decode step (ms)")):
+        for i, backend in enumerate(backends):
+            ys = [next((r[key] or 0 for r in rows
+                        if r["backend"] == backend and r["input_len"] == c), 0) for c in contexts]
+            ax.bar([j + i * width for j in range(len(contexts))], ys, width, label=backend)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(contexts))],
+                      [f"{c // 1024}k" for c in contexts])
+        ax.set_xlabel("input tokens")
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -93,31 +93,35 @@ def _sparse_attn_split_kernel(
         n = split * CHUNK + i * BLOCK_N + tl.arange(0, BLOCK_N)
         slot = tl.load(slot_base + n, mask=n < NUM_SEL, other=-1).to(tl.int64)
         valid = slot >= 0
-        k = tl.load(
-            K_BUFFER + slot[:, None] * stride_kn + g * stride_kh + d[None, :],
-            mask=valid[:, None] & dmask[None, :],
-            other=0.0,
-        )
-        if DOT_F32:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2  # [GP, BN]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            V_BUFFER + slot[:, None] * stride_vn + g * stride_vh + dv[None, :],
-            mask=valid[:, None] & dvmask[None, :],
-            other=0.0,
-        )
-        p = p.to(v.dtype)  # 16-bit probabilities for the tensor-core PV product
-        if DOT_F32:
-            p = p.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        m_i = m_new
+        # A tile of padding only (slots are left-packed, so this is the tail of a row whose
+        # budget is below the workspace's: the accuracy guard's per-request budgets) adds
+        # nothing: skip its loads and dots.
+        if tl.max(slot) >= 0:
+            k = tl.load(
+                K_BUFFER + slot[:, None] * stride_kn + g * stride_kh + d[None, :],
+                mask=valid[:, None] & dmask[None, :],
+                other=0.0,
+            )
+            if DOT_F32:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2  # [GP, BN]
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(
+                V_BUFFER + slot[:, None] * stride_vn + g * stride_vh + dv[None, :],
+                mask=valid[:, None] & dvmask[None, :],
+                other=0.0,
+            )
+            p = p.to(v.dtype)  # 16-bit probabilities for the tensor-core PV product
+            if DOT_F32:
+                p = p.to(tl.float32)
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+            m_i = m_new
 
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]

@@ -232,7 +232,9 @@ def _topk_assemble_kernel(
     EARLY_EXIT: tl.constexpr,
     HAS_PAGE_MAP: tl.constexpr,
     K_ROWS,
+    N_ROWS,
     HAS_K_ROWS: tl.constexpr,
+    HAS_N_ROWS: tl.constexpr,
 ):
     """The last top-k of the selection and the slot assembly of its row, in one program per
     (request, kv head): the winners go to TOP (global scratch, re-read from L1/L2 after a CTA
@@ -240,11 +242,14 @@ def _topk_assemble_kernel(
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     k_row = None
+    n_row = None
     if HAS_K_ROWS:
         k_row = tl.load(K_ROWS + b)
+    if HAS_N_ROWS:
+        n_row = tl.load(N_ROWS + b)
     _topk_row(
         SCORES + b * stride_scb + g * stride_scg, TOP + b * stride_tb + g * stride_tg,
-        N, K, BLOCK, OUT_BLOCK, RESIDENT, RADIX_BITS, EARLY_EXIT, k_row,
+        N, K, BLOCK, OUT_BLOCK, RESIDENT, RADIX_BITS, EARLY_EXIT, k_row, n_row,
     )
     tl.debug_barrier()  # the row's winners, written by all threads, are visible to all
     for t in tl.static_range((BUDGET + ASM_BLOCK - 1) // ASM_BLOCK):
@@ -421,15 +426,20 @@ def select_slots_batched(
     final = None  # (scores, k, out) of the last top-k when it is fused with the assembly
 
     k_block_rows, k_token_rows = row_ks if row_ks is not None else (None, None)
+    # two_level with per-request candidate counts: a row's token scores past its candidates'
+    # tokens are all -inf, which the token top-k may skip.
+    n_token_rows = None
+    if k_block_rows is not None and ws.mode == _MODE_CAND_TOKENS:
+        n_token_rows = k_block_rows * bs
 
-    def run_topk(scores, k, out, last, k_rows):
+    def run_topk(scores, k, out, last, k_rows, n_rows=None):
         nonlocal final
         # The tier needs the block filter's result before the assembly: no fusion then.
         if last and ws.fuse_assemble and not (tiered and ws.mode == _MODE_BLOCKS):
-            final = (scores, k, out, k_rows)
+            final = (scores, k, out, k_rows, n_rows)
             return out
         return topk_masked(scores, k, out=out, impl=ws.topk_impl,
-                           radix_bits=ws.topk_radix_bits, k_rows=k_rows)
+                           radix_bits=ws.topk_radix_bits, k_rows=k_rows, n_rows=n_rows)
 
     if ws.k_blocks:
         if kmin is None or kmax is None:
@@ -457,7 +467,8 @@ def select_slots_batched(
             channels=tok_channels, num_blocks=ws.max_blocks, scores_out=ws.token_scores[:batch],
             return_positions=False, page_map=page_map,
         )
-        top = run_topk(tok_scores, ws.k_tokens, ws.top_tokens[:batch], True, k_token_rows)
+        top = run_topk(tok_scores, ws.k_tokens, ws.top_tokens[:batch], True, k_token_rows,
+                       n_token_rows)
 
     slots = ws.slots[:batch]
     positions = ws.positions[:batch]
@@ -481,10 +492,11 @@ def select_slots_batched(
             grid = (batch, num_kv_heads, triton.cdiv(params.budget, block))
             _assemble_slots_kernel[grid](*common, BLOCK=block, num_warps=4, **consts)
         else:
-            fscores, k, _, k_rows = final
+            fscores, k, _, k_rows, n_rows = final
             _topk_assemble_kernel[(batch, num_kv_heads)](
                 fscores, *common[:8], fscores.stride(0), fscores.stride(1), *common[8:],
                 K_ROWS=slots if k_rows is None else k_rows, HAS_K_ROWS=k_rows is not None,
+                N_ROWS=slots if n_rows is None else n_rows, HAS_N_ROWS=n_rows is not None,
                 ASM_BLOCK=block, EARLY_EXIT=True, **consts,
                 **topk_launch_config(fscores.shape[-1], k, ws.topk_radix_bits),
             )

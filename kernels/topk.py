@@ -77,11 +77,18 @@ def _topk_row(
     RADIX_BITS: tl.constexpr,
     EARLY_EXIT: tl.constexpr,
     k_row=None,
+    n_row=None,
 ):
     """The top-k of one row: ``dst[0:K]`` = the winners' indices into ``src[0:N]`` in
     ascending order, ``-1`` padded (the whole program works on this row). ``k_row`` (a runtime
-    value <= K, or None for K) lowers this row's k: the accuracy guard's per-request budgets."""
+    value <= K, or None for K) lowers this row's k: the accuracy guard's per-request budgets.
+    ``n_row`` (runtime, or None for N) says that entries from there on are all ``-inf``: the
+    streaming passes skip those blocks."""
     offs0 = tl.arange(0, BLOCK)
+    if n_row is not None:
+        n_lim = tl.minimum(n_row, N)
+    else:
+        n_lim = N
     NUM_BINS: tl.constexpr = 1 << RADIX_BITS
     NUM_PASSES: tl.constexpr = (32 + RADIX_BITS - 1) // RADIX_BITS
 
@@ -112,11 +119,12 @@ def _topk_row(
             else:
                 hist = tl.zeros([NUM_BINS], tl.int32)
                 for start in range(0, N, BLOCK):
-                    offs = start + offs0
-                    x = tl.load(src + offs, mask=offs < N, other=float("-inf"))
-                    u = _sortable_key(x)
-                    match = (x > float("-inf")) & ((u & prefix_mask) == prefix)
-                    hist += tl.histogram((u >> shift) & digit_mask, NUM_BINS, mask=match)
+                    if start < n_lim:
+                        offs = start + offs0
+                        x = tl.load(src + offs, mask=offs < N, other=float("-inf"))
+                        u = _sortable_key(x)
+                        match = (x > float("-inf")) & ((u & prefix_mask) == prefix)
+                        hist += tl.histogram((u >> shift) & digit_mask, NUM_BINS, mask=match)
             if d == 0:
                 remaining = tl.minimum(tl.sum(hist, axis=0), K)  # k_eff = min(k, #finite)
                 if k_row is not None:
@@ -151,21 +159,22 @@ def _topk_row(
         gt_seen = tl.zeros([], tl.int32)
         eq_seen = tl.zeros([], tl.int32)
         for start in range(0, N, BLOCK):
-            offs = start + offs0
-            x = tl.load(src + offs, mask=offs < N, other=float("-inf"))
-            valid = x > float("-inf")
-            key = _sortable_key(x) ^ -2147483648
-            gt = valid & (key > threshold)
-            eq = valid & (key == threshold)
-            packed = (gt.to(tl.int32) << 16) | eq.to(tl.int32)
-            before = tl.cumsum(packed, axis=0) - packed
-            eq_before = eq_seen + (before & 0xFFFF)
-            take = gt | (eq & (eq_before < remaining))
-            pos = gt_seen + (before >> 16) + tl.minimum(eq_before, remaining)
-            tl.store(dst + pos, offs, mask=take)
-            block_counts = tl.sum(packed, axis=0)
-            gt_seen += block_counts >> 16
-            eq_seen += block_counts & 0xFFFF
+            if start < n_lim:
+                offs = start + offs0
+                x = tl.load(src + offs, mask=offs < N, other=float("-inf"))
+                valid = x > float("-inf")
+                key = _sortable_key(x) ^ -2147483648
+                gt = valid & (key > threshold)
+                eq = valid & (key == threshold)
+                packed = (gt.to(tl.int32) << 16) | eq.to(tl.int32)
+                before = tl.cumsum(packed, axis=0) - packed
+                eq_before = eq_seen + (before & 0xFFFF)
+                take = gt | (eq & (eq_before < remaining))
+                pos = gt_seen + (before >> 16) + tl.minimum(eq_before, remaining)
+                tl.store(dst + pos, offs, mask=take)
+                block_counts = tl.sum(packed, axis=0)
+                gt_seen += block_counts >> 16
+                eq_seen += block_counts & 0xFFFF
 
     # ---- pad with -1: exactly k_eff winners were written -------------------------------------
     for start in range(0, K, OUT_BLOCK):
@@ -187,15 +196,20 @@ def _topk_kernel(
     RADIX_BITS: tl.constexpr,
     EARLY_EXIT: tl.constexpr,
     K_ROWS,
+    N_ROWS,
     ROWS_PER_K,
     HAS_K_ROWS: tl.constexpr,
+    HAS_N_ROWS: tl.constexpr,
 ):
     rid = tl.program_id(0).to(tl.int64)
     k_row = None
+    n_row = None
     if HAS_K_ROWS:
         k_row = tl.load(K_ROWS + rid // ROWS_PER_K)
+    if HAS_N_ROWS:
+        n_row = tl.load(N_ROWS + rid // ROWS_PER_K)
     _topk_row(S + rid * stride_s, OUT + rid * stride_o, N, K, BLOCK, OUT_BLOCK, RESIDENT,
-              RADIX_BITS, EARLY_EXIT, k_row)
+              RADIX_BITS, EARLY_EXIT, k_row, n_row)
 
 
 def topk_launch_config(n: int, k: int, radix_bits: int = 8) -> dict:
@@ -228,12 +242,15 @@ def topk_masked(
     radix_bits: int = 8,
     early_exit: bool = True,
     k_rows: Tensor | None = None,
+    n_rows: Tensor | None = None,
 ) -> Tensor:
     """Indices (int32 ``[..., k]``) of the ``k`` largest finite entries of each row, ``-1``
     padded. See the module docstring for the two implementations.
 
     ``k_rows`` (int32 ``[scores.shape[0]]``, values <= ``k``) gives each leading entry (all the
     rows under it, e.g. a request's kv heads) its own k; the output keeps ``k`` columns.
+    ``n_rows`` (same shape; Triton only, a hint) promises that those rows are ``-inf`` from
+    that column on, so the streaming passes over long rows stop there.
 
     Triton only: ``radix_bits`` (5..8) is the digit width of the radix select (8: 4 passes of
     a 256-bin histogram; 6: 6 passes of a cheaper 64-bin one), ``early_exit`` skips the
@@ -265,8 +282,10 @@ def topk_masked(
         out_rows.stride(0),
         EARLY_EXIT=early_exit,
         K_ROWS=out_rows if k_rows is None else k_rows,
+        N_ROWS=out_rows if n_rows is None else n_rows,
         ROWS_PER_K=max(1, rows.shape[0] // max(1, scores.shape[0])),
         HAS_K_ROWS=k_rows is not None,
+        HAS_N_ROWS=n_rows is not None,
         **topk_launch_config(n, k, radix_bits),
     )
     return out

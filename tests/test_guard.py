@@ -89,6 +89,24 @@ def test_topk_per_row_k_matches_reference():
                 assert set(got[b, g].tolist()) == set(expect[b, g].tolist()), (impl, b, g)
 
 
+def test_topk_streaming_rows_with_length_hints():
+    """Rows longer than the resident limit stream from memory; an ``n_rows`` hint (everything
+    past it is -inf) lets the passes stop early and changes no result."""
+    gen = case_generator("topk-stream")
+    n = 8192 + 700
+    scores = torch.randn(2, 2, n, generator=gen)
+    n_rows = torch.tensor([300, 8500], dtype=torch.int32)
+    for b in range(2):
+        scores[b, :, int(n_rows[b]):] = float("-inf")
+    k_rows = torch.tensor([40, 64], dtype=torch.int32)
+    expect = topk_masked_ref(scores, 64, k_rows)
+    got = topk_masked(scores.to(DEVICE), 64, k_rows=k_rows.to(DEVICE),
+                      n_rows=n_rows.to(DEVICE)).cpu()
+    for b in range(2):
+        for g in range(2):
+            assert set(got[b, g].tolist()) == set(expect[b, g].tolist()), (b, g)
+
+
 @pytest.mark.parametrize("method", ["quest", "ds", "two_level"])
 def test_batched_decode_with_per_request_budgets(method):
     """A workspace sized for the guard's largest budget, each request at its own budget, selects

@@ -1,17 +1,21 @@
 """Long-generation fidelity: how far sparse decoding drifts from dense over many decoded tokens.
 
 1. The model (SmolLM2-135M, float32 on the CPU, Hugging Face's Llama code) reads a prompt — a
-   window of the standard library's docstrings and a request to go on writing — and generates
-   ``--tokens`` tokens greedily with full attention (end-of-sequence suppressed, so the text has
-   the asked length). This is the reference text; its per-token log-likelihoods are dense's.
+   window of the standard library's docstrings and a request to explain it at length — and
+   generates ``--tokens`` tokens with full attention, sampled at ``--temperature`` (a seeded
+   generator; end-of-sequence suppressed, so the text has the asked length). Greedy text from a
+   model this small soon loops on itself (>90 % repeated 4-grams over 1k tokens), which would
+   make the re-reading trivially easy; sampled text does not. This is the reference text; dense
+   also records, at each position, its log-likelihood of the text's next token and its greedy
+   (top-1) prediction.
 2. **Teacher-forced**: each (method, budget[, guard]) re-reads that same text one decode step at
    a time (the prompt is prefilled densely, as the server does) and we record, per window of
    ``--window`` positions, the mean log-likelihood gap to dense (``nll_gap``, nats per token,
-   > 0 = worse) and the top-1 agreement of the next-token prediction with dense's
+   > 0 = worse) and the share of positions where its top-1 prediction equals dense's
    (``top1_agree``).
-3. **Free-running**: each setting generates ``--tokens`` tokens from the prompt on its own; we
-   record the first position where it departs from dense's text and its repetition rate (share
-   of repeated 4-grams), next to dense's.
+3. **Free-running**: dense and each setting generate ``--tokens`` tokens greedily from the
+   prompt; we record the first position where a setting departs from dense's text and its
+   repetition rate (share of repeated 4-grams), next to dense's.
 
 Decode steps attend through :mod:`sglang_ext.selection` (the server's reference decode): the
 same selection functions and, with ``--guard-every``, the same guard
@@ -169,11 +173,13 @@ def build_prompt(tokenizer: Any, prompt_tokens: int, seed: int) -> list[int]:
 @torch.inference_mode()
 def decode(model: Any, hook: DecodeAttention, entries: list[Entry], prompt: list[int],
            num_tokens: int, eos: Sequence[int], forced: Optional[Sequence[int]] = None,
-           progress: Any = None) -> list[dict[str, list]]:
+           progress: Any = None, temperature: float = 0.0,
+           generator: Optional[torch.Generator] = None) -> list[dict[str, list]]:
     """One sequence per entry: prefill ``prompt``, then ``num_tokens`` decode steps feeding
-    ``forced`` tokens (teacher forcing) or each sequence's greedy prediction (free running; EOS
-    never predicted). Per entry: ``tokens`` (fed), ``pred`` (greedy prediction at each step)
-    and ``logp`` (log-likelihood of the fed token)."""
+    ``forced`` tokens (teacher forcing) or each sequence's own next token (free running: greedy,
+    or sampled at ``temperature`` > 0 from ``generator``; EOS never chosen). Per entry:
+    ``tokens`` (fed), ``pred`` (greedy prediction at each step) and ``logp`` (log-likelihood of
+    the fed token)."""
     from transformers import DynamicCache
 
     batch = len(entries)
@@ -186,7 +192,13 @@ def decode(model: Any, hook: DecodeAttention, entries: list[Entry], prompt: list
         logits[:, list(eos)] = float("-inf")
         logp = torch.log_softmax(logits, dim=-1)
         pred = logp.argmax(dim=-1)
-        tok = pred if forced is None else torch.full_like(pred, int(forced[t]))
+        if forced is not None:
+            tok = torch.full_like(pred, int(forced[t]))
+        elif temperature > 0:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            tok = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        else:
+            tok = pred
         picked = logp.gather(1, tok[:, None])[:, 0]
         for b, run in enumerate(runs):
             run["tokens"].append(int(tok[b]))
@@ -216,7 +228,7 @@ def window_rows(setting: Setting, run: dict, dense: dict, window: int) -> list[d
     for start in range(0, len(dense["tokens"]), window):
         sl = slice(start, start + window)
         gaps = [d - s for d, s in zip(dense["logp"][sl], run["logp"][sl])]
-        agree = [p == t for p, t in zip(run["pred"][sl], dense["tokens"][sl])]
+        agree = [p == t for p, t in zip(run["pred"][sl], dense["pred"][sl])]
         rows.append({"method": setting.method, "budget": setting.budget,
                      "guard": "on" if setting.guard else "off", "position": start,
                      "nll_gap": sum(gaps) / len(gaps), "top1_agree": sum(agree) / len(agree)})
@@ -307,7 +319,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--drift-agree", type=float, default=0.9,
                     help="... or a top-1 agreement below this")
     ap.add_argument("--free-running", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.8,
+                    help="sampling temperature of the reference text (0: greedy)")
+    ap.add_argument("--seed", type=int, default=0, help="prompt window and sampling seed")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args(argv)
@@ -334,7 +348,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     settings = settings_grid(args.methods, args.budgets, args.guard_every, args.guard_methods)
     if args.quick:  # the identity check: a budget above the whole context is dense exactly
         settings.append(Setting("two_level", 4096, False))
-    phases = 3 if args.free_running else 2  # dense, teacher-forced batch, free-running batch
+    # dense text, teacher-forced batch (+ dense greedy, free-running batch)
+    phases = 4 if args.free_running else 2
     bar = tqdm(total=args.tokens * phases, desc="decode steps", unit="step", file=sys.stderr,
                disable=not sys.stderr.isatty() and not os.environ.get("LONGGEN_PROGRESS"))
 
@@ -346,22 +361,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      args.guard_max_factor * s.budget) if s.guard else None,
                       num_kv_heads) for s, p in zip(settings, params)]
 
-    bar.set_postfix_str("dense")
+    bar.set_postfix_str("dense text")
     dense = decode(model, hook, [Entry(None, None, num_kv_heads)], prompt, args.tokens, eos,
-                   progress=bar)[0]
+                   progress=bar, temperature=args.temperature,
+                   generator=torch.Generator().manual_seed(args.seed))[0]
     bar.set_postfix_str("teacher-forced")
     forced_entries = entries()
     forced_runs = decode(model, hook, forced_entries, prompt, args.tokens, eos,
                          forced=dense["tokens"], progress=bar)
     free_runs: list[Optional[dict]] = [None] * len(settings)
+    dense_free: Optional[dict] = None
     if args.free_running:
+        bar.set_postfix_str("dense greedy")
+        dense_free = decode(model, hook, [Entry(None, None, num_kv_heads)], prompt, args.tokens,
+                            eos, progress=bar)[0]
         bar.set_postfix_str("free-running")
         free_runs = decode(model, hook, entries(), prompt, args.tokens, eos, progress=bar)
     bar.close()
 
     rows: list[dict] = []
     summary: list[dict] = []
-    dense_rep = repetition_rate(dense["tokens"])
+    dense_rep = repetition_rate(dense_free["tokens"]) if dense_free else None
     for s, p, seq, forced, free in zip(settings, params, forced_entries, forced_runs,
                                        free_runs):
         events = seq.guard_events
@@ -379,7 +399,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "guard_final_budget": final_budget,
         }
         if free is not None:
-            line["first_divergence"] = first_divergence(free["tokens"], dense["tokens"])
+            line["first_divergence"] = first_divergence(free["tokens"], dense_free["tokens"])
             line["repetition_rate"] = repetition_rate(free["tokens"])
             line["dense_repetition_rate"] = dense_rep
         summary.append(line)
@@ -395,7 +415,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "guard_recall": args.guard_recall, "guard_max_factor": args.guard_max_factor,
             "drift_gap": args.drift_gap, "drift_agree": args.drift_agree, "seed": args.seed,
             "quick": args.quick, "wall_seconds": round(time.time() - t0, 1),
-            "dense_repetition_rate": dense_rep,
+            "temperature": args.temperature, "text_repetition_rate": repetition_rate(dense["tokens"]),
+            "dense_greedy_repetition_rate": dense_rep,
             "dense_mean_nll": -sum(dense["logp"]) / len(dense["logp"]),
         },
         "summary": summary,
@@ -407,7 +428,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{e['method']:>9}@{e['budget']:<5} guard {e['guard']:>3}: gap {e['mean_nll_gap']:+.4f} "
               f"agree {e['mean_top1_agree']:.3f} drift@{e['drift_onset']} "
               f"diverge@{e.get('first_divergence')} rep {e.get('repetition_rate', math.nan):.3f} "
-              f"(dense {dense_rep:.3f}) guard {e['guard_raises']}+/{e['guard_lowers']}- "
+              f"(dense {dense_rep if dense_rep is not None else math.nan:.3f}) guard {e['guard_raises']}+/{e['guard_lowers']}- "
               f"final {e['guard_final_budget']}")
     print(f"wrote {args.out} and {plot} in {time.time() - t0:.0f} s")
     return 0
