@@ -212,12 +212,20 @@ def main() -> int:
     p.add_argument("--startup-timeout", type=float, default=400)
     p.add_argument("--block-size", type=int, default=0,
                    help="ours: --sparse-block-size (= the page size); 0 keeps the config's 16")
+    p.add_argument("--collect", action="store_true",
+                   help="launch nothing: build the results from the bench_<config>.jsonl and "
+                        "server_<config>.log files already in --out (a run the time box cut "
+                        "short); configs without a bench file are left out; give --gpu")
+    p.add_argument("--gpu", default=None, help="GPU name for the results (default: this "
+                   "machine's; needed with --collect on a machine without it)")
     p.add_argument("--results-name", default="e2e_h200",
                    help="results file stem in --out (JSON and plot)")
     p.add_argument("--label-channels", type=int, default=16,
                    help="ours: random label channels per kv head (dummy weights have nothing to "
                         "calibrate); 0 = none, token scores then use every channel")
     args = p.parse_args()
+    if args.collect and not args.gpu:
+        p.error("--collect needs --gpu (the name of the GPU the run was on)")
 
     os.makedirs(args.out, exist_ok=True)
     label_config = synthetic_label_config(args.model, args.label_channels, args.out) \
@@ -226,18 +234,25 @@ def main() -> int:
     context_len = int(args.input_len * 1.25) + args.output_len + 64
     for name in args.configs:
         log_path = os.path.join(args.out, f"server_{name}.log")
+        bench_path = os.path.join(args.out, f"bench_{name}.jsonl")
         flags = ours_flags(name, args.block_size, label_config)
-        proc = launch(args.model, args.tokenizer, flags, args.port, context_len,
-                      log_path, args.extra.split())
-        try:
-            t0 = time.time()
-            wait_healthy(proc, args.port, args.startup_timeout, log_path)
-            print(f"{name}: healthy after {time.time() - t0:.0f}s", flush=True)
-            result = bench(args.port, args.tokenizer, args.input_len, args.output_len,
-                           args.num_prompts, args.concurrency,
-                           os.path.join(args.out, f"bench_{name}.jsonl"))
-        finally:
-            stop(proc)
+        if args.collect:
+            if not os.path.exists(bench_path):
+                print(f"{name}: no {bench_path}, left out", flush=True)
+                continue
+            with open(bench_path) as f:
+                result = json.loads(f.readlines()[-1])
+        else:
+            proc = launch(args.model, args.tokenizer, flags, args.port, context_len,
+                          log_path, args.extra.split())
+            try:
+                t0 = time.time()
+                wait_healthy(proc, args.port, args.startup_timeout, log_path)
+                print(f"{name}: healthy after {time.time() - t0:.0f}s", flush=True)
+                result = bench(args.port, args.tokenizer, args.input_len, args.output_len,
+                               args.num_prompts, args.concurrency, bench_path)
+            finally:
+                stop(proc)
         stats = server_log_stats(open(log_path, errors="replace").read())
         rows.append({
             "input_len": args.input_len, "output_len": args.output_len, "backend": name,
@@ -254,7 +269,10 @@ def main() -> int:
     base = next((r for r in rows if r["backend"] == "flashinfer"), None)
     for r in rows:
         r["speedup_vs_flashinfer"] = (r["output_tok_s"] / base["output_tok_s"]) if base and base["output_tok_s"] else None
-    meta = {"commit": git_commit(), "gpu": gpu_name(), "model": os.path.basename(args.model)}
+    meta = {"commit": git_commit(), "gpu": args.gpu or gpu_name(),
+            "model": os.path.basename(args.model)}
+    if args.collect:
+        meta["collected"] = "rows built from the run's bench/server files (--collect)"
     write_results(os.path.join(args.out, f"{args.results_name}.json"), rows, meta)
     plot(rows, os.path.join(args.out, f"{args.results_name}.png"),
          f"{meta['gpu']}, {meta['model']} (dummy weights), bench_serving random-ids")

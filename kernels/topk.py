@@ -1,4 +1,4 @@
-"""Batched masked top-k with a fixed k per row (static shapes, no host sync).
+"""Batched masked top-k: a static k per row, optionally lowered per request (no host sync).
 
 ``topk_masked(scores, k)``: for every row of ``scores`` (float32 ``[..., N]``, ``-inf`` = masked
 out) the column indices of its ``k`` largest finite entries, int32 ``[..., k]``; rows with fewer

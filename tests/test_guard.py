@@ -211,7 +211,7 @@ def _needle_case(num_needles: int, strength: float, length: int = 400):
     return k, v, q
 
 
-def _run_decode(guard: dict, k, v, q, length: int = 400, steps: int = 6):
+def _run_decode(guard: dict, k, v, q, length: int = 400, steps: int = 6, metrics: bool = False):
     """Decode ``steps`` tokens of one request through the backend (both layers). Returns the
     outputs per step and the guard's row state."""
     cfg = build_config(budget=32, block_size=4, sink=4, window=8, method="two_level", **guard)
@@ -221,6 +221,7 @@ def _run_decode(guard: dict, k, v, q, length: int = 400, steps: int = 6):
         req_to_token_pool=SimpleNamespace(
             req_to_token=torch.zeros(4, max_context, dtype=torch.int32)),
         token_to_kv_pool=FakePool(k, v),
+        server_args=SimpleNamespace(enable_metrics=metrics),
     )
     backend = SparseDecodeBackend(runner, cfg)
     row = 2
@@ -272,3 +273,14 @@ def test_guard_that_never_fires_changes_nothing():
     assert state.budget == 32 and backend._guard_totals[0] == 6
     for a, b in zip(off, on):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_guard_decisions_reach_prometheus():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    k, v, q = _needle_case(num_needles=60, strength=4.0)
+    _, state, backend = _run_decode({"guard_every": 2, "guard_max_budget": 128}, k, v, q,
+                                    metrics=True)
+    registry = prometheus_client.REGISTRY
+    assert registry.get_sample_value("sglang_ext:guard_probes_total") == 3
+    assert registry.get_sample_value("sglang_ext:guard_budget_raised_total") == 2
+    assert registry.get_sample_value("sglang_ext:guard_budget_lowered_total") == 0

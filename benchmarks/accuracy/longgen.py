@@ -272,11 +272,17 @@ def render_plot(doc: dict, path: str) -> None:
     for r in doc["rows"]:
         label = f"{r['method']}@{r['budget']}" + ("+guard" if r["guard"] == "on" else "")
         series.setdefault(label, []).append(r)
+    # one colour family per method, darker for larger budgets; the guard dashed
+    families = {"quest": plt.cm.Blues, "ds": plt.cm.Greens, "two_level": plt.cm.Oranges}
+    budgets = sorted({r["budget"] for r in doc["rows"]})
     for label, rows in sorted(series.items()):
         xs = [r["position"] for r in rows]
         style = "--" if label.endswith("+guard") else "-"
-        axes[0].plot(xs, [r["nll_gap"] for r in rows], style, marker=".", label=label)
-        axes[1].plot(xs, [r["top1_agree"] for r in rows], style, marker=".", label=label)
+        cmap = families.get(rows[0]["method"], plt.cm.Greys)
+        shade = 0.45 + 0.5 * budgets.index(rows[0]["budget"]) / max(1, len(budgets) - 1)
+        color = plt.cm.Purples(shade) if rows[0]["guard"] == "on" else cmap(shade)
+        for ax, key in ((axes[0], "nll_gap"), (axes[1], "top1_agree")):
+            ax.plot(xs, [r[key] for r in rows], style, marker=".", color=color, label=label)
     axes[0].set_ylabel("NLL gap to dense (nats/token)")
     axes[1].set_ylabel("top-1 agreement with dense")
     for ax in axes:
