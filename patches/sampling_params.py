@@ -1,4 +1,10 @@
-"""SamplingParams: validate per-request sparse overrides when a request arrives (400 if bad)."""
+"""SamplingParams: validate per-request sparse overrides when a request arrives (400 if bad), and
+turn a wrongly typed sampling parameter (e.g. ``"temperature": "hot"``) into the 400 SGLang gives
+other bad values, instead of the 500 and traceback its constructor's TypeError causes.
+
+(The second hook wraps TokenizerManager._create_tokenized_object, which builds SamplingParams
+from the request: msgspec calls SamplingParams.__post_init__ at C level, so that method cannot be
+hooked itself.)"""
 
 from __future__ import annotations
 
@@ -21,6 +27,40 @@ def _after_verify(result: Any, sampling_params: Any, *args: Any, **kwargs: Any) 
         )
 
 
+def _sampling_params_type_error(obj: Any) -> str | None:
+    """msgspec's message for a wrongly typed field of the request's sampling parameters."""
+    import msgspec
+
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    params = getattr(obj, "sampling_params", None)
+    for one in params if isinstance(params, list) else [params]:
+        if isinstance(one, dict):
+            try:
+                msgspec.convert(one, SamplingParams, strict=True)
+            except msgspec.ValidationError as e:
+                return str(e)
+            except Exception:
+                pass
+    return None
+
+
+def _around_tokenized_object(original: Any, manager: Any, obj: Any, *args: Any,
+                             **kwargs: Any) -> Any:
+    """A wrongly typed sampling parameter makes SamplingParams.__post_init__ raise TypeError (a
+    500 and a traceback in the log); answer it with SGLang's 400 for bad values (ValueError)
+    naming the field. Only requests that fail this way are affected."""
+    try:
+        return original(manager, obj, *args, **kwargs)
+    except TypeError:
+        why = _sampling_params_type_error(obj)
+        if why is None:
+            raise
+        raise ValueError(f"invalid sampling_params: {why}") from None
+
+
 HOOKS = (
     ("sglang.srt.sampling.sampling_params.SamplingParams.verify", _after_verify, "AFTER"),
+    ("sglang.srt.managers.tokenizer_manager.TokenizerManager._create_tokenized_object",
+     _around_tokenized_object, "AROUND"),
 )

@@ -1,0 +1,407 @@
+"""Soak test of a serving SGLang server with our backend: concurrency, aborts, shared prefixes,
+full tiers, malformed requests; bounded in count and time, loopback only.
+
+What one run does (``--requests`` requests, at most ``--concurrency`` in flight, stops at
+``--time-limit``):
+
+* mixed prompt lengths (``--lengths``, tokens of the standard library's docstrings), every request
+  streaming; some share a long prefix with an earlier one (radix-cache hits, ``--shared``);
+* ~``--abort-frac`` of them are aborted mid-decode, half by the client closing the stream, half
+  through ``POST /abort_request`` with the request's ``rid``;
+* ``--reference`` prompts are first run alone on the idle server (greedy, with top-2 logprobs),
+  then again inside the load: the outputs must match; a difference counts as a mismatch unless
+  the reference's top-2 margin at the first differing token is under ``--tie-margin`` nats (a
+  near tie that batching's rounding may flip, not corrupted KV);
+* a burst of malformed requests (bad JSON, bad sampling params, bad ``custom_params.sparse``)
+  must each get a 4xx, and the server must still answer afterwards;
+* at the end: every finished output is well formed (non-empty ids, as many as reported, finish
+  reason set), the server is healthy, and its log (``--server-log``) shows no traceback, no
+  "memory leak" and no scheduler crash; retractions and queued requests are counted;
+  ``/metrics`` (when enabled) is sampled for our counters.
+
+Writes a JSON report (``--out``) and exits 1 when anything failed. ``--launch "ARGS"`` starts
+``python -m sglang.launch_server ARGS`` itself (log to ``--server-log``) and stops it after.
+
+    python benchmarks/soak.py --url http://127.0.0.1:30000 --server-log server.log
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import requests
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks.results_io import git_commit, gpu_name, write_results  # noqa: E402
+
+MALFORMED: list[tuple[str, Any]] = [
+    ("not json", "{not json"),
+    ("negative max_new_tokens", {"text": "hi", "sampling_params": {"max_new_tokens": -3}}),
+    ("temperature as text", {"text": "hi", "sampling_params": {"temperature": "hot"}}),
+    ("unknown sparse key", {"text": "hi", "sampling_params": {"max_new_tokens": 2,
+                            "custom_params": {"sparse": {"budgett": 64}}}}),
+    ("bad sparse method", {"text": "hi", "sampling_params": {"max_new_tokens": 2,
+                           "custom_params": {"sparse": {"method": "magic"}}}}),
+    ("bad sparse budget", {"text": "hi", "sampling_params": {"max_new_tokens": 2,
+                           "custom_params": {"sparse": {"budget": -1}}}}),
+]
+
+
+@dataclass
+class Outcome:
+    index: int
+    kind: str  # "plain", "shared", "reference", "abort-client", "abort-api"
+    prompt_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+    malformed: Optional[str] = None
+    seconds: float = 0.0
+
+
+def corpus_lines() -> list[str]:
+    from sglang_ext.selection.calibrate import stdlib_docstring_text
+
+    text, _ = stdlib_docstring_text(300_000)
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def make_prompt(lines: list[str], rng: random.Random, approx_tokens: int) -> str:
+    """~``approx_tokens`` tokens (4 characters each, roughly) of consecutive docstring lines."""
+    start = rng.randrange(0, len(lines) - 1)
+    out, size = [], 0
+    i = start
+    while size < approx_tokens * 4:
+        out.append(lines[i % len(lines)])
+        size += len(out[-1]) + 1
+        i += 1
+    return "\n".join(out) + "\n\nSummarize the text above."
+
+
+def _stream(url: str, payload: dict, out: Outcome, stop_after: Optional[int]) -> None:
+    """One streaming /generate; with ``stop_after`` the client drops it after that many chunks."""
+    with requests.post(url + "/generate", json={**payload, "stream": True}, stream=True,
+                       timeout=1800) as r:
+        if r.status_code != 200:
+            out.error = f"HTTP {r.status_code}: {r.text[:200]}"
+            return
+        chunks = 0
+        for line in r.iter_lines():
+            if not line or not line.startswith(b"data:"):
+                continue
+            body = line[5:].strip()
+            if body == b"[DONE]":
+                break
+            msg = json.loads(body)
+            if "error" in msg:
+                out.error = str(msg["error"])[:200]
+                return
+            out.output_ids = msg.get("output_ids", out.output_ids)
+            meta = msg.get("meta_info", {})
+            out.prompt_tokens = meta.get("prompt_tokens", out.prompt_tokens)
+            fin = meta.get("finish_reason")
+            if fin:
+                out.finish_reason = fin.get("type") if isinstance(fin, dict) else str(fin)
+            chunks += 1
+            if stop_after is not None and chunks >= stop_after:
+                return  # closing the connection: SGLang aborts the request
+
+
+def run_one(url: str, outcome: Outcome, prompt: str, max_new_tokens: int, rid: str,
+            abort_after: Optional[float]) -> Outcome:
+    t0 = time.time()
+    payload = {"text": prompt, "rid": rid, "sampling_params": {
+        "max_new_tokens": max_new_tokens, "temperature": 0,
+        "ignore_eos": outcome.kind.startswith("abort")}}
+    try:
+        if outcome.kind == "abort-api":
+            timer = threading.Timer(abort_after or 1.0, lambda: requests.post(
+                url + "/abort_request", json={"rid": rid}, timeout=60))
+            timer.start()
+            try:
+                _stream(url, payload, outcome, None)
+            finally:
+                timer.cancel()
+        else:
+            _stream(url, payload, outcome, 3 if outcome.kind == "abort-client" else None)
+    except requests.RequestException as e:
+        outcome.error = f"{type(e).__name__}: {e}"[:200]
+    outcome.seconds = time.time() - t0
+    return outcome
+
+
+def reference_run(url: str, prompt: str, max_new_tokens: int) -> dict:
+    r = requests.post(url + "/generate", timeout=1800, json={
+        "text": prompt, "return_logprob": True, "top_logprobs_num": 2,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}})
+    r.raise_for_status()
+    return r.json()
+
+
+def mismatch(reference: dict, output_ids: list[int], tie_margin: float) -> Optional[str]:
+    """None when ``output_ids`` equal the reference's, or differ first at a near tie."""
+    ref_ids = reference["output_ids"]
+    if output_ids == ref_ids:
+        return None
+    pos = next((i for i, (a, b) in enumerate(zip(output_ids, ref_ids)) if a != b),
+               min(len(output_ids), len(ref_ids)))
+    tops = reference["meta_info"].get("output_top_logprobs") or []
+    if pos < len(tops) and tops[pos] and len(tops[pos]) >= 2:
+        margin = tops[pos][0][0] - tops[pos][1][0]
+        if margin < tie_margin:
+            return None
+        return f"differs at token {pos} (reference top-2 margin {margin:.3f} nats)"
+    return f"differs at token {pos} (lengths {len(output_ids)} / {len(ref_ids)})"
+
+
+def malformed_sweep(url: str) -> list[dict]:
+    results = []
+    for name, body in MALFORMED:
+        if isinstance(body, str):
+            r = requests.post(url + "/generate", data=body, timeout=60,
+                              headers={"Content-Type": "application/json"})
+        else:
+            r = requests.post(url + "/generate", json=body, timeout=60)
+        results.append({"case": name, "status": r.status_code,
+                        "ok": 400 <= r.status_code < 500})
+    return results
+
+
+def log_findings(text: str) -> dict[str, Any]:
+    return {
+        "tracebacks": text.count("Traceback"),
+        "memory_leaks": len(re.findall(r"memory leak", text, re.IGNORECASE)),
+        "scheduler_crashes": text.count("Scheduler hit an exception"),
+        "retractions": len(re.findall(r"[Rr]etract", text)),
+        "max_queue": max([int(x) for x in re.findall(r"#queue-req: (\d+)", text)] or [0]),
+        "guard_lines": len(re.findall(r"sglang_ext guard", text)),
+        "tier_stat_lines": len(re.findall(r"sglang_ext tier stats", text)),
+    }
+
+
+def sample_metrics(url: str) -> dict[str, float]:
+    try:
+        text = requests.get(url + "/metrics", timeout=30).text
+    except requests.RequestException:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("sglang_ext:"):
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name.split("{")[0]] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
+def launch(args: str, log_path: str, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port",
+           str(port), *shlex.split(args)]
+    log = open(log_path, "w")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_healthy(url: str, proc: Optional[subprocess.Popen], timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if requests.get(url + "/health_generate", timeout=30).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"server not healthy after {timeout} s")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default=None, help="a running server (else --launch)")
+    ap.add_argument("--launch", default=None, help="launch_server arguments (model, backend...)")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--server-log", default=None, help="the server's log, read at the end")
+    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--concurrency", type=int, default=6)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[64, 400, 1200, 2400],
+                    help="approximate prompt lengths in tokens (drawn uniformly)")
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--abort-frac", type=float, default=0.1)
+    ap.add_argument("--shared", type=float, default=0.2, help="share of shared-prefix requests")
+    ap.add_argument("--reference", type=int, default=4, help="prompts checked against an idle run")
+    ap.add_argument("--tie-margin", type=float, default=0.25,
+                    help="nats: a first difference where the reference's top-2 logprobs are "
+                         "closer than this is a near tie, not a mismatch (bf16 logits of ~20 "
+                         "carry ~0.1 of rounding, which a different batch may round otherwise)")
+    ap.add_argument("--time-limit", type=float, default=900.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "soak.json"))
+    args = ap.parse_args(argv)
+    if not args.url and not args.launch:
+        ap.error("give --url or --launch")
+
+    proc = None
+    url = args.url or f"http://127.0.0.1:{args.port}"
+    log_path = args.server_log or os.path.splitext(args.out)[0] + "_server.log"
+    if args.launch:
+        proc = launch(args.launch, log_path, args.port)
+    t0 = time.time()
+    try:
+        wait_healthy(url, proc, args.startup_timeout)
+        report = soak(url, args)
+    finally:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    findings = log_findings(open(log_path, errors="replace").read()) \
+        if os.path.exists(log_path) else {}
+    report["server_log"] = findings
+    report["wall_seconds"] = round(time.time() - t0, 1)
+    failures = list(report["failures"])
+    for key in ("tracebacks", "memory_leaks", "scheduler_crashes"):
+        if findings.get(key):
+            failures.append(f"server log: {findings[key]} {key}")
+    report["failures"] = failures
+    report["ok"] = not failures
+    rows = report.pop("rows")
+    write_results(args.out, rows, {"commit": git_commit(), "gpu": gpu_name(), **report})
+    print(json.dumps({k: v for k, v in report.items() if k != "reference"}, indent=1))
+    return 0 if not failures else 1
+
+
+def soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    rng = random.Random(args.seed)
+    lines = corpus_lines()
+    failures: list[str] = []
+
+    # The reference prompts, alone on the idle server first.
+    ref_prompts = [make_prompt(lines, rng, rng.choice(args.lengths)) for _ in range(args.reference)]
+    references = [reference_run(url, p, args.max_new_tokens) for p in ref_prompts]
+
+    # The load: kinds drawn up front so the mix is reproducible.
+    plan: list[tuple[str, str]] = []
+    earlier: list[str] = []
+    for i in range(args.requests):
+        if i < args.reference:
+            plan.append(("reference", ref_prompts[i]))
+            continue
+        u = rng.random()
+        if u < args.abort_frac / 2:
+            kind = "abort-client"
+        elif u < args.abort_frac:
+            kind = "abort-api"
+        elif u < args.abort_frac + args.shared and earlier:
+            kind = "shared"
+        else:
+            kind = "plain"
+        if kind == "shared":
+            prompt = rng.choice(earlier) + f"\nAnd in one word, question {i}?"
+        else:
+            prompt = make_prompt(lines, rng, rng.choice(args.lengths))
+            earlier.append(prompt)
+        plan.append((kind, prompt))
+    rng.shuffle(plan)
+
+    metrics_during: dict[str, float] = {}
+    stop = threading.Event()
+
+    def sampler() -> None:  # our counters while the load runs
+        while not stop.wait(5.0):
+            metrics_during.update(sample_metrics(url))
+
+    threading.Thread(target=sampler, daemon=True).start()
+    deadline = time.time() + args.time_limit
+    outcomes: list[Outcome] = []
+    bar = tqdm(total=len(plan), desc="soak", unit="req", file=sys.stderr,
+               disable=not sys.stderr.isatty())
+    with ThreadPoolExecutor(args.concurrency) as pool:
+        futures = []
+        for i, (kind, prompt) in enumerate(plan):
+            outcome = Outcome(index=i, kind=kind)
+            futures.append(pool.submit(
+                lambda o=outcome, p=prompt, i=i: (
+                    run_one(url, o, p, args.max_new_tokens if not o.kind.startswith("abort")
+                            else 4 * args.max_new_tokens + 64, f"soak-{args.seed}-{i}",
+                            abort_after=1.0 + rng.random()) if time.time() < deadline
+                    else o)))
+        for f in futures:
+            outcomes.append(f.result())
+            bar.update(1)
+    bar.close()
+    stop.set()
+    metrics_after = sample_metrics(url)
+
+    # Checks.
+    by_prompt = {p: i for i, p in enumerate(ref_prompts)}
+    mismatches = []
+    for (kind, prompt), o in zip(plan, outcomes):
+        if o.kind.startswith("abort"):
+            continue
+        if o.error:
+            failures.append(f"request {o.index} ({o.kind}): {o.error}")
+            continue
+        if not o.output_ids or o.finish_reason is None:
+            failures.append(f"request {o.index} ({o.kind}): not finished / empty output")
+        if o.kind == "reference":
+            why = mismatch(references[by_prompt[prompt]], o.output_ids, args.tie_margin)
+            if why:
+                mismatches.append(f"request {o.index}: {why}")
+    failures += mismatches
+    malformed = malformed_sweep(url)
+    failures += [f"malformed request '{m['case']}' got HTTP {m['status']}" for m in malformed
+                 if not m["ok"]]
+    try:
+        wait_healthy(url, None, 120)
+        healthy_after = True
+    except (TimeoutError, RuntimeError):
+        healthy_after = False
+        failures.append("server not healthy after the soak")
+
+    kinds: dict[str, int] = {}
+    for o in outcomes:
+        kinds[o.kind] = kinds.get(o.kind, 0) + 1
+    rows = [{"index": o.index, "kind": o.kind, "prompt_tokens": o.prompt_tokens,
+             "output_tokens": len(o.output_ids), "finish_reason": o.finish_reason,
+             "error": o.error, "seconds": round(o.seconds, 2)} for o in outcomes]
+    return {
+        "rows": rows,
+        "config": {k: v for k, v in vars(args).items() if k not in ("url",)},
+        "kinds": kinds,
+        "completed": sum(1 for o in outcomes if o.finish_reason and not o.kind.startswith("abort")),
+        "aborted": sum(1 for o in outcomes if o.kind.startswith("abort")),
+        "max_prompt_tokens": max((o.prompt_tokens for o in outcomes), default=0),
+        "reference_checked": sum(1 for o in outcomes if o.kind == "reference"),
+        "mismatches": mismatches,
+        "malformed": malformed,
+        "healthy_after": healthy_after,
+        "metrics_during": metrics_during,
+        "metrics_after": metrics_after,
+        "failures": failures,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
