@@ -206,7 +206,7 @@ def sample_metrics(url: str) -> dict[str, float]:
             try:
                 out[name.split("{")[0]] = float(value)
             except ValueError:
-                pass
+                continue  # not a sample line (e.g. a label value with spaces)
     return out
 
 
@@ -226,7 +226,7 @@ def wait_healthy(url: str, proc: Optional[subprocess.Popen], timeout: float) -> 
             if requests.get(url + "/health_generate", timeout=30).status_code == 200:
                 return
         except requests.RequestException:
-            pass
+            pass  # not up yet: retry until the deadline
         time.sleep(2)
     raise TimeoutError(f"server not healthy after {timeout} s")
 

@@ -41,7 +41,7 @@ def _sampling_params_type_error(obj: Any) -> str | None:
             except msgspec.ValidationError as e:
                 return str(e)
             except Exception:
-                pass
+                continue  # not a type error of msgspec's kind: SGLang's own error stands
     return None
 
 

@@ -19,33 +19,9 @@ from sglang_ext.attention.sparse_backend import SparseDecodeBackend
 from sglang_ext.config import build_config
 from sglang_ext.selection import sparse_decode
 
+from fake_backend import DecodeMode, FakePool
+
 HQ, HKV, D, LAYERS, SLOTS = 6, 2, 16, 2, 2048
-
-
-class FakePool:
-    """The two KV-pool calls the decode path makes, over plain tensors."""
-
-    def __init__(self, generator: torch.Generator) -> None:
-        self.k = [torch.randn(SLOTS, HKV, D, generator=generator) for _ in range(LAYERS)]
-        self.v = [torch.randn(SLOTS, HKV, D, generator=generator) for _ in range(LAYERS)]
-
-    def set_kv_buffer(self, layer, loc_info, k, v) -> None:
-        self.k[layer.layer_id][loc_info.loc] = k.view(-1, HKV, D)
-        self.v[layer.layer_id][loc_info.loc] = v.view(-1, HKV, D)
-
-    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.k[layer_id]
-
-    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.v[layer_id]
-
-
-class DecodeMode:
-    def is_decode_or_idle(self) -> bool:
-        return True
-
-    def is_idle(self) -> bool:
-        return False
 
 
 def _backend(generator: torch.Generator, max_context: int, dense_decode: str = "sglang"):
@@ -54,7 +30,9 @@ def _backend(generator: torch.Generator, max_context: int, dense_decode: str = "
     runner = SimpleNamespace(
         device="cpu",
         req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(8, max_context, dtype=torch.int32)),
-        token_to_kv_pool=FakePool(generator),
+        token_to_kv_pool=FakePool(
+            [torch.randn(SLOTS, HKV, D, generator=generator) for _ in range(LAYERS)],
+            [torch.randn(SLOTS, HKV, D, generator=generator) for _ in range(LAYERS)]),
         model_runner_dtype=torch.float32,
     )
     return SparseDecodeBackend(runner, cfg), runner, cfg

@@ -38,6 +38,8 @@ from sglang_ext.selection.guard import (
 )
 from sglang_ext.selection.reference import SelectionParams, select_token_mask
 
+from fake_backend import DecodeMode, FakePool
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -171,32 +173,6 @@ def test_probe_kernel_matches_reference():
 HQ, HKV, D, LAYERS, SLOTS = 6, 2, 16, 2, 4096
 
 
-class FakePool:
-    start_layer, end_layer, layer_num = 0, LAYERS, LAYERS
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k = [k.clone() for _ in range(LAYERS)]
-        self.v = [v.clone() for _ in range(LAYERS)]
-
-    def set_kv_buffer(self, layer, loc_info, k, v) -> None:
-        self.k[layer.layer_id][loc_info.loc] = k.view(-1, HKV, D)
-        self.v[layer.layer_id][loc_info.loc] = v.view(-1, HKV, D)
-
-    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.k[layer_id]
-
-    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.v[layer_id]
-
-
-class DecodeMode:
-    def is_decode_or_idle(self) -> bool:
-        return True
-
-    def is_idle(self) -> bool:
-        return False
-
-
 def _needle_case(num_needles: int, strength: float, length: int = 400):
     """Keys of one request where the query's attention mass sits on ``num_needles`` scattered
     positions (keys along the query's direction); the rest is noise."""
@@ -220,7 +196,8 @@ def _run_decode(guard: dict, k, v, q, length: int = 400, steps: int = 6, metrics
         device="cpu",
         req_to_token_pool=SimpleNamespace(
             req_to_token=torch.zeros(4, max_context, dtype=torch.int32)),
-        token_to_kv_pool=FakePool(k, v),
+        token_to_kv_pool=FakePool([k.clone() for _ in range(LAYERS)],
+                                  [v.clone() for _ in range(LAYERS)]),
         server_args=SimpleNamespace(enable_metrics=metrics),
     )
     backend = SparseDecodeBackend(runner, cfg)

@@ -1,0 +1,33 @@
+"""Stand-ins for the SGLang objects the backend's decode path touches (no server, no model)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class FakePool:
+    """The KV-pool calls the decode path makes, over plain per-layer tensors ``[slots, Hkv, D]``."""
+
+    start_layer = 0
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        self.k, self.v = k, v
+        self.layer_num = self.end_layer = len(k)
+
+    def set_kv_buffer(self, layer, loc_info, k, v) -> None:
+        self.k[layer.layer_id][loc_info.loc] = k.view(-1, *self.k[0].shape[1:])
+        self.v[layer.layer_id][loc_info.loc] = v.view(-1, *self.v[0].shape[1:])
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v[layer_id]
+
+
+class DecodeMode:
+    def is_decode_or_idle(self) -> bool:
+        return True
+
+    def is_idle(self) -> bool:
+        return False
