@@ -253,12 +253,15 @@ def settings_grid(methods: Sequence[str], budgets: Sequence[int], guard_every: i
 
 
 def selection_params(setting: Setting, block_size: int, sink: int, window: int) -> SelectionParams:
-    """The accuracy suite's shape for small budgets: sink <= budget/8, window <= budget/4."""
-    b = setting.budget
-    s, w = min(sink, b // 8), max(1, min(window, b // 4))
-    middle = b - s - w
-    return SelectionParams(setting.method, b, block_size, max(1, 2 * -(-middle // block_size)),
-                           s, w)
+    """What the accuracy suite sends for this setting (sink and window shrunk for small budgets),
+    resolved as the server resolves a request's settings (automatic candidate blocks)."""
+    from benchmarks.accuracy.runner import shrunk_sink_window
+    from sglang_ext.attention.request_overrides import selection_params as resolve
+    from sglang_ext.config import build_config
+
+    s, w = shrunk_sink_window(setting.budget, sink, window)
+    return resolve(build_config(method=setting.method, budget=setting.budget,
+                                block_size=block_size, sink=s, window=w))
 
 
 def render_plot(doc: dict, path: str) -> None:

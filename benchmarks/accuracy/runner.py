@@ -104,6 +104,12 @@ class Setting:
         return self.method, self.budget
 
 
+def shrunk_sink_window(budget: int, sink: int = DEFAULT_SINK,
+                       window: int = DEFAULT_WINDOW) -> tuple[int, int]:
+    """(sink, window) for ``budget``: sink <= budget/8, window <= budget/4 (at least 1)."""
+    return min(sink, budget // 8), max(1, min(window, budget // 4))
+
+
 def sparse_settings(methods: Sequence[str], budgets: Sequence[int], block_size: int,
                     sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW) -> list[Setting]:
     """Dense first, then every (method, budget). Sink and window shrink for small budgets
@@ -116,9 +122,9 @@ def sparse_settings(methods: Sequence[str], budgets: Sequence[int], block_size: 
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r}; known: {', '.join(METHODS)}, dense")
         for b in budgets:
+            s, w = shrunk_sink_window(b, sink, window)
             out.append(Setting(m, b, {"sparse": {
-                "method": m, "budget": b, "block_size": block_size,
-                "sink": min(sink, b // 8), "window": max(1, min(window, b // 4)),
+                "method": m, "budget": b, "block_size": block_size, "sink": s, "window": w,
             }}))
     return out
 

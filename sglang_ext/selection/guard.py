@@ -72,22 +72,25 @@ def next_budget(policy: GuardPolicy, budget: Tensor, streak: Tensor,
     return out, torch.where(lower, torch.zeros_like(streak), streak)
 
 
-def dense_lse(q: Tensor, keys: Tensor, scaling: float, kv_head: int) -> Tensor:
-    """float32 ``[G]``: log-sum-exp of kv head ``kv_head``'s query heads over every key.
-
+def _head_scores(q: Tensor, keys: Tensor, scaling: float, kv_head: int) -> Tensor:
+    """float32 ``[G, L]``: scaled logits of kv head ``kv_head``'s query heads over every key.
     ``q`` ``[Hq, D]``, ``keys`` ``[L, Hkv, D]`` (one request, position order)."""
     qg = _group_queries(q, keys.shape[1])[kv_head]  # [G, D]
-    scores = qg @ keys[:, kv_head].float().T * scaling  # [G, L]
-    return torch.logsumexp(scores, dim=-1)
+    return qg @ keys[:, kv_head].float().T * scaling
+
+
+def dense_lse(q: Tensor, keys: Tensor, scaling: float, kv_head: int) -> Tensor:
+    """float32 ``[G]``: log-sum-exp of kv head ``kv_head``'s query heads over every key."""
+    return torch.logsumexp(_head_scores(q, keys, scaling, kv_head), dim=-1)
 
 
 def selection_recall(q: Tensor, keys: Tensor, mask: Tensor, scaling: float, kv_head: int) -> float:
     """Mean over kv head ``kv_head``'s query heads of the dense softmax mass on the positions
-    ``mask`` (bool ``[Hkv, L]``) selects: the reference of what a probe measures."""
-    qg = _group_queries(q, keys.shape[1])[kv_head]
-    scores = qg @ keys[:, kv_head].float().T * scaling
-    probs = torch.softmax(scores, dim=-1)
-    return float(probs[:, mask[kv_head]].sum(dim=-1).mean())
+    ``mask`` (bool ``[Hkv, L]``) selects, ``exp(lse_selected - lse_dense)``: the reference of
+    what a probe measures."""
+    scores = _head_scores(q, keys, scaling, kv_head)
+    selected = torch.logsumexp(scores[:, mask[kv_head]], dim=-1)
+    return float(torch.exp(selected - torch.logsumexp(scores, dim=-1)).mean())
 
 
 def scaled_candidates(base_candidates, base_budget: int, budget):
