@@ -35,10 +35,13 @@ CONFIGS: dict[str, list[str]] = {
     "triton": ["--attention-backend", "triton"],
     "sglang_ext": ["--attention-backend", "sglang_ext", "--sparse-budget", "2048",
                    "--sparse-block-size", "16"],
-    # with the CPU KV tier (AsyncTLS schedule); host size from $SGLANG_EXT_TIER_HOST_GB
+    # with the CPU KV tier (AsyncTLS schedule); host size from $SGLANG_EXT_TIER_HOST_GB, GPU-homed
+    # tokens from $SGLANG_EXT_TIER_GPU_TOKENS (0 = what the GPU holds; 16 = every page on the host)
     "sglang_ext_tier": ["--attention-backend", "sglang_ext", "--sparse-budget", "2048",
                         "--sparse-block-size", "16", "--sparse-tier", "async",
-                        "--sparse-tier-host-gb", os.environ.get("SGLANG_EXT_TIER_HOST_GB", "64")],
+                        "--sparse-tier-host-gb", os.environ.get("SGLANG_EXT_TIER_HOST_GB", "64"),
+                        "--sparse-tier-gpu-tokens",
+                        os.environ.get("SGLANG_EXT_TIER_GPU_TOKENS", "0")],
     # the accuracy guard: probes every 16 steps and widens budgets (up to 4x) where recall < 0.9
     "sglang_ext_guard": ["--attention-backend", "sglang_ext", "--sparse-budget", "2048",
                          "--sparse-block-size", "16", "--sparse-guard-every", "16"],
@@ -119,14 +122,19 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    backends = list(dict.fromkeys(r["backend"] for r in rows))
+
+    def series(r: dict[str, Any]) -> str:  # one bar series per backend, model and TP size
+        tp = r.get("tp", 1)
+        return f"{r['backend']} ({r.get('model', '?')}{f', tp {tp}' if tp > 1 else ''})"
+
+    backends = list(dict.fromkeys(series(r) for r in rows))
     contexts = sorted({r["input_len"] for r in rows})
     width = 0.8 / len(backends)
     for ax, key, label in ((axes[0], "output_tok_s", "output tokens/s (whole run)"),
                            (axes[1], "median_itl_ms", "median ITL = decode step (ms)")):
         for i, backend in enumerate(backends):
-            ys = [next((r[key] or 0 for r in rows
-                        if r["backend"] == backend and r["input_len"] == c), 0) for c in contexts]
+            ys = [next((r.get(key) or 0 for r in rows
+                        if series(r) == backend and r["input_len"] == c), 0) for c in contexts]
             ax.bar([j + i * width for j in range(len(contexts))], ys, width, label=backend)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(contexts))],
                       [f"{c // 1024}k" for c in contexts])
@@ -156,6 +164,68 @@ def bench(port: int, tokenizer: str, input_len: int, output_len: int, num_prompt
     subprocess.run(cmd, check=True)
     with open(out_file) as f:
         return json.loads(f.readlines()[-1])
+
+
+def greedy_outputs(port: int, num_prompts: int, prompt_len: int, output_len: int,
+                   seed: int = 0) -> list[dict[str, Any]]:
+    """Greedy continuations of fixed random-token prompts, with the top-2 logprobs of every
+    output token (to tell a near tie from a real difference when comparing servers)."""
+    import random
+
+    rng = random.Random(seed)
+    outs = []
+    for _ in range(num_prompts):
+        ids = [rng.randrange(1000, 40000) for _ in range(prompt_len)]
+        r = requests.post(f"http://127.0.0.1:{port}/generate", timeout=600, json={
+            "input_ids": ids, "return_logprob": True, "top_logprobs_num": 2,
+            "sampling_params": {"max_new_tokens": output_len, "temperature": 0,
+                                "ignore_eos": True}})
+        r.raise_for_status()
+        outs.append(r.json())
+    return outs
+
+
+def compare_greedy(reference: list[dict[str, Any]], outputs: list[dict[str, Any]],
+                   tie_margin: float) -> dict[str, Any]:
+    """Per prompt: equal, or where it first differs and whether the reference was at a near
+    tie there. ``decisive_tokens``: matched tokens whose reference top-2 margin exceeded the tie
+    margin (how much the check really tested)."""
+    from benchmarks.soak import mismatch
+
+    mismatches, near_ties, equal, decisive = [], 0, 0, 0
+    for i, (ref, out) in enumerate(zip(reference, outputs)):
+        ids, ref_ids = out["output_ids"], ref["output_ids"]
+        tops = ref["meta_info"].get("output_top_logprobs") or []
+        same = next((j for j, (a, b) in enumerate(zip(ids, ref_ids)) if a != b),
+                    min(len(ids), len(ref_ids)))
+        decisive += sum(1 for t in tops[:same] if t and len(t) >= 2 and t[0][0] - t[1][0] >= tie_margin)
+        why = mismatch(ref, ids, tie_margin)
+        if why is not None:
+            mismatches.append(f"prompt {i}: {why}")
+        elif ids == ref_ids:
+            equal += 1
+        else:
+            near_ties += 1
+    return {"greedy_prompts": len(outputs), "greedy_equal": equal,
+            "greedy_near_tie": near_ties, "greedy_mismatches": mismatches,
+            "greedy_decisive_tokens": decisive}
+
+
+def merge_rows(path: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows already in ``path`` (runs of other context lengths or TP sizes) with this run's
+    rows replacing those of the same backend, input length, TP size and model."""
+    if not os.path.exists(path):
+        return rows
+    with open(path) as f:
+        old = json.load(f)
+    key = lambda r: (r["backend"], r["input_len"], r.get("tp", 1), r.get("model", old.get("model")))
+    new_keys = {key(r) for r in rows}
+    kept = []
+    for r in old.get("rows", []):
+        r = {"tp": 1, "model": old.get("model"), "commit": old.get("commit"), **r}
+        if key(r) not in new_keys:
+            kept.append(r)
+    return kept + rows
 
 
 def synthetic_label_config(model_path: str, channels: int, out_dir: str) -> str:
@@ -220,6 +290,20 @@ def main() -> int:
                    "machine's; needed with --collect on a machine without it)")
     p.add_argument("--results-name", default="e2e_h200",
                    help="results file stem in --out (JSON and plot)")
+    p.add_argument("--tp", type=int, default=1, help="--tp of every server (tensor parallel)")
+    p.add_argument("--greedy-check", type=int, default=0, metavar="N",
+                   help="before the benchmark, N greedy requests of fixed random tokens on every "
+                        "server, compared with the first config's (near-tie aware)")
+    p.add_argument("--greedy-prompt-len", type=int, default=1536,
+                   help="their prompt length; keep prompt + output within ours' budget to "
+                        "compare exact (budget >= context) decoding")
+    p.add_argument("--greedy-output-len", type=int, default=64)
+    p.add_argument("--tie-margin", type=float, default=0.25,
+                   help="nats: a first difference at a reference top-2 margin below this is a "
+                        "near tie, not a mismatch")
+    p.add_argument("--append", action="store_true",
+                   help="merge the rows into the results file already in --out (other context "
+                        "lengths, TP sizes) instead of replacing it")
     p.add_argument("--label-channels", type=int, default=16,
                    help="ours: random label channels per kv head (dummy weights have nothing to "
                         "calibrate); 0 = none, token scores then use every channel")
@@ -232,9 +316,12 @@ def main() -> int:
         if args.label_channels else None
     rows = []
     context_len = int(args.input_len * 1.25) + args.output_len + 64
+    extra = args.extra.split() + (["--tp", str(args.tp)] if args.tp > 1 else [])
+    greedy_ref = None
     for name in args.configs:
         log_path = os.path.join(args.out, f"server_{name}.log")
         bench_path = os.path.join(args.out, f"bench_{name}.jsonl")
+        greedy_path = os.path.join(args.out, f"greedy_{name}.json")
         flags = ours_flags(name, args.block_size, label_config)
         if args.collect:
             if not os.path.exists(bench_path):
@@ -244,26 +331,40 @@ def main() -> int:
                 result = json.loads(f.readlines()[-1])
         else:
             proc = launch(args.model, args.tokenizer, flags, args.port, context_len,
-                          log_path, args.extra.split())
+                          log_path, extra)
             try:
                 t0 = time.time()
                 wait_healthy(proc, args.port, args.startup_timeout, log_path)
                 print(f"{name}: healthy after {time.time() - t0:.0f}s", flush=True)
+                if args.greedy_check:
+                    with open(greedy_path, "w") as f:
+                        json.dump(greedy_outputs(args.port, args.greedy_check,
+                                                 args.greedy_prompt_len, args.greedy_output_len), f)
                 result = bench(args.port, args.tokenizer, args.input_len, args.output_len,
                                args.num_prompts, args.concurrency, bench_path)
             finally:
                 stop(proc)
+        greedy: dict[str, Any] = {}
+        if args.greedy_check and os.path.exists(greedy_path):
+            with open(greedy_path) as f:
+                outputs = json.load(f)
+            if greedy_ref is None:
+                greedy_ref = (name, outputs)
+            else:
+                greedy = {"greedy_reference": greedy_ref[0],
+                          **compare_greedy(greedy_ref[1], outputs, args.tie_margin)}
         stats = server_log_stats(open(log_path, errors="replace").read())
         rows.append({
             "input_len": args.input_len, "output_len": args.output_len, "backend": name,
-            "config": " ".join(flags + args.extra.split()),
+            "tp": args.tp, "model": os.path.basename(args.model), "commit": git_commit(),
+            "config": " ".join(flags + extra),
             "concurrency": args.concurrency, "completed": result.get("completed"),
             "output_tok_s": result.get("output_throughput"),
             "median_tpot_ms": result.get("median_tpot_ms"),
             "median_itl_ms": result.get("median_itl_ms"),
             "median_ttft_ms": result.get("median_ttft_ms"),
             "max_concurrent_requests": result.get("max_concurrent_requests"),
-            **stats,
+            **stats, **greedy,
         })
         print(json.dumps(rows[-1]), flush=True)
     base = next((r for r in rows if r["backend"] == "flashinfer"), None)
@@ -273,16 +374,24 @@ def main() -> int:
             "model": os.path.basename(args.model)}
     if args.collect:
         meta["collected"] = "rows built from the run's bench/server files (--collect)"
-    write_results(os.path.join(args.out, f"{args.results_name}.json"), rows, meta)
-    plot(rows, os.path.join(args.out, f"{args.results_name}.png"),
-         f"{meta['gpu']}, {meta['model']} (dummy weights), bench_serving random-ids")
+    results_path = os.path.join(args.out, f"{args.results_name}.json")
+    all_rows = merge_rows(results_path, rows) if args.append else rows
+    write_results(results_path, all_rows, meta)
+    plot(all_rows, os.path.join(args.out, f"{args.results_name}.png"),
+         f"{meta['gpu']}, dummy weights, bench_serving random-ids")
     print(f"{'backend':12} {'in':>7} {'out':>5} {'tok/s':>8} {'TPOT ms':>8} {'TTFT ms':>9} {'x FI':>6}")
     for r in rows:
         sp = r["speedup_vs_flashinfer"]
         print(f"{r['backend']:12} {r['input_len']:7d} {r['output_len']:5d} {r['output_tok_s']:8.1f} "
               f"{r['median_tpot_ms']:8.1f} {r['median_ttft_ms']:9.0f} {sp if sp is None else round(sp, 2)!s:>6}")
+    for r in rows:
+        if "greedy_equal" in r:
+            print(f"{r['backend']}: greedy vs {r['greedy_reference']}: {r['greedy_equal']} equal, "
+                  f"{r['greedy_near_tie']} differ at a near tie, mismatches {r['greedy_mismatches']}"
+                  f" ({r['greedy_decisive_tokens']} decisive tokens)")
     ok = all(r["completed"] == args.num_prompts and r["server_errors"] == 0
-             and r["server_prefill_tokens"] >= 0.9 * args.num_prompts * args.input_len for r in rows)
+             and r["server_prefill_tokens"] >= 0.9 * args.num_prompts * args.input_len
+             and not r.get("greedy_mismatches") for r in rows)
     return 0 if ok else 1
 
 

@@ -73,6 +73,18 @@ def _leave_room_for_side_buffers(self: Any, sizes: Any) -> Any:
     return msgspec.structs.replace(sizes, max_total_num_tokens=tokens)
 
 
+def host_tokens_per_rank(cfg: Any, bytes_per_token: int) -> int:
+    """Host-tier tokens of this rank. ``--sparse-tier-host-gb`` is the server's total: every
+    rank's process pins its share. The ranks agree on the smallest share (measured host memory
+    differs between ranks that measure at different moments), so their logical capacities,
+    which each rank's scheduler admits against, are equal."""
+    from sglang_ext.config import tier_host_bytes
+    from sglang_ext.tensor_parallel import agree_min, world_size
+
+    [tokens] = agree_min([tier_host_bytes(cfg) // world_size() // bytes_per_token])
+    return tokens
+
+
 def _around_derive_pool_sizes(original: Callable, self: Any, *, config: Any) -> Any:
     sizes = original(self, config=config)
     cfg = _tier_config(self)
@@ -81,7 +93,6 @@ def _around_derive_pool_sizes(original: Callable, self: Any, *, config: Any) -> 
     import msgspec
 
     from sglang_ext.attention.request_overrides import selection_params
-    from sglang_ext.config import tier_host_bytes
     from sglang_ext.kernels.sparse_decode import _selection_plan
     from sglang_ext.memory_tier.tiered_pool import plan_layout
 
@@ -93,7 +104,7 @@ def _around_derive_pool_sizes(original: Callable, self: Any, *, config: Any) -> 
     layers = self.layer_info.num_effective_layers
     elem = self.kv_cache_dtype.itemsize if hasattr(self.kv_cache_dtype, "itemsize") else 2
     bytes_per_token = layers * heads * (mc.head_dim + mc.v_head_dim) * elem
-    host_tokens = tier_host_bytes(cfg) // bytes_per_token
+    host_tokens = host_tokens_per_rank(cfg, bytes_per_token)
     params = selection_params(cfg)
     _, k_blocks, _ = _selection_plan(params, 1 << 30)
     server_args = self.server_args

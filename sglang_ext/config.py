@@ -107,8 +107,8 @@ _FLAGS: tuple[tuple[str, str, str, str], ...] = (
      "lives in pinned host memory; the GPU keeps sink/window pages and a working set per "
      "request."),
     ("tier_host_gb", "--sparse-tier-host-gb", "GB",
-     "Pinned host memory for the CPU tier's KV (0 = half of the memory available at "
-     "start-up)."),
+     "Pinned host memory for the CPU tier's KV, the whole server's (with --tp N each rank "
+     "pins 1/N of it; 0 = half of the memory available at start-up)."),
     ("locality_blocks", "--sparse-locality-blocks", "BLOCKS",
      "two_level with NOSA's locality constraint: this many blocks per kv head are kept by a "
      "query-agnostic eviction score, and a block once dropped never returns, so at least "

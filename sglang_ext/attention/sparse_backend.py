@@ -42,6 +42,7 @@ from sglang_ext.selection.guard import (
     widened,
 )
 from sglang_ext.selection.reference import BatchedSparseDecode
+from sglang_ext.tensor_parallel import attn_tp, rank_kv_heads
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -202,8 +203,6 @@ class SparseDecodeBackend(AttentionBackend):
         req_to_token = self.req_to_token_pool.req_to_token
         rows = req_to_token.shape[0]
         pool = self.token_to_kv_pool
-        mc = self.model_runner.model_config
-        group = mc.num_attention_heads // mc.get_total_num_kv_heads()
         dev = self.device
         self._guard_budget = torch.full((rows,), self.guard.base_budget, dtype=torch.int32,
                                         device=dev)
@@ -212,23 +211,29 @@ class SparseDecodeBackend(AttentionBackend):
         self._guard_counts = torch.zeros(3, dtype=torch.int64, device=dev)
         self._guard_row_ks: Any = None
         self._guard_probe = GuardProbe(
-            max_batch=rows, num_q_heads=pool.head_num * group, num_kv_heads=pool.head_num,
+            max_batch=rows, num_q_heads=self._rank_q_heads(), num_kv_heads=pool.head_num,
             head_dim=pool.get_key_buffer(pool.start_layer).shape[-1],
             min_len=self.guard.max_budget, max_context=req_to_token.shape[1], device=dev,
         )
+
+    def _rank_q_heads(self) -> int:
+        """Query heads this rank computes (all of them without --tp)."""
+        return self.model_runner.model_config.num_attention_heads // attn_tp().size
 
     @staticmethod
     def _load_label_channels(
         model_runner: ModelRunner, config: SparseConfig
     ) -> Optional[torch.Tensor]:
-        """[num_layers, kv_heads, r] channel ids for token scores, or None (all channels)."""
+        """[num_layers, this rank's kv heads, r] channel ids for token scores, or None (all
+        channels). The file covers the model's every kv head; under --tp a rank keeps its own."""
         if config.label_config is None:
             return None
         mc = model_runner.model_config
+        total_heads = mc.get_total_num_kv_heads()
         channels = load_label_config(
             config.label_config,
             num_layers=mc.num_hidden_layers,
-            num_kv_heads=mc.get_total_num_kv_heads(),
+            num_kv_heads=total_heads,
             head_dim=mc.head_dim,
         )
         if config.label_channels > channels.shape[-1]:
@@ -236,7 +241,9 @@ class SparseDecodeBackend(AttentionBackend):
                 f"--sparse-label-channels {config.label_channels} exceeds the "
                 f"{channels.shape[-1]} channels calibrated in {config.label_config}"
             )
-        return channels[..., : config.label_channels].to(model_runner.device)
+        tp = attn_tp()
+        heads = rank_kv_heads(total_heads, tp.size, tp.rank)
+        return channels[:, heads.start:heads.stop, : config.label_channels].to(model_runner.device)
 
     def _dense_backend(self) -> AttentionBackend:
         """The SGLang backend that runs prefill/extend (built lazily: under HybridAttnBackend
@@ -592,11 +599,9 @@ class SparseDecodeBackend(AttentionBackend):
         if fitting:
             return min(fitting, key=lambda ws: ws.max_batch)
         pool = self.token_to_kv_pool  # per-rank head counts under tensor parallelism
-        mc = self.model_runner.model_config
-        group = mc.num_attention_heads // mc.get_total_num_kv_heads()
         workspace = SparseDecodeWorkspace(
             max_batch=batch,
-            num_q_heads=pool.head_num * group,
+            num_q_heads=self._rank_q_heads(),
             num_kv_heads=pool.head_num,
             head_dim_v=pool.v_head_dim,
             params=self.kernel_params,

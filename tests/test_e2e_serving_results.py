@@ -1,0 +1,41 @@
+"""The serving benchmark's result handling (benchmarks/e2e_serving.py): the greedy comparison
+between servers and merging runs of other context lengths / TP sizes into one results file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.e2e_serving import compare_greedy, merge_rows
+
+
+def _reply(ids: list[int], margins: list[float]) -> dict:
+    tops = [[[-0.1, i], [-0.1 - m, i + 1]] for i, m in zip(ids, margins)]
+    return {"output_ids": ids, "meta_info": {"output_top_logprobs": tops}}
+
+
+def test_compare_greedy_tells_near_ties_from_mismatches() -> None:
+    ref = [_reply([1, 2, 3], [2.0, 2.0, 2.0]), _reply([4, 5, 6], [2.0, 0.01, 2.0]),
+           _reply([7, 8, 9], [2.0, 2.0, 2.0])]
+    out = [_reply([1, 2, 3], [0] * 3), _reply([4, 9, 9], [0] * 3), _reply([7, 0, 0], [0] * 3)]
+    got = compare_greedy(ref, out, tie_margin=0.25)
+    assert got["greedy_equal"] == 1
+    assert got["greedy_near_tie"] == 1  # prompt 1 differs where the reference was at a tie
+    assert len(got["greedy_mismatches"]) == 1 and got["greedy_mismatches"][0].startswith("prompt 2")
+    # decisive tokens: the matched prefix's tokens with a clear reference margin: 3 + 1 + 1
+    assert got["greedy_decisive_tokens"] == 5
+
+
+def test_merge_rows_keeps_other_runs_and_replaces_the_same_one(tmp_path: Path) -> None:
+    path = tmp_path / "e2e.json"
+    old_rows = [{"backend": "flashinfer", "input_len": 32768, "output_tok_s": 1.0},
+                {"backend": "sglang_ext", "input_len": 32768, "output_tok_s": 2.0}]
+    path.write_text(json.dumps({"commit": "old", "model": "m8", "rows": old_rows}))
+    new = [{"backend": "sglang_ext", "input_len": 32768, "tp": 1, "model": "m8", "output_tok_s": 3.0},
+           {"backend": "sglang_ext", "input_len": 65536, "tp": 2, "model": "m14", "output_tok_s": 4.0}]
+    merged = merge_rows(str(path), new)
+    assert [(r["backend"], r["output_tok_s"]) for r in merged] == [
+        ("flashinfer", 1.0), ("sglang_ext", 3.0), ("sglang_ext", 4.0)]
+    # rows from the old file carry the file's commit and model once merged
+    assert merged[0]["commit"] == "old" and merged[0]["model"] == "m8" and merged[0]["tp"] == 1
+    assert merge_rows(str(tmp_path / "missing.json"), new) == new
