@@ -371,7 +371,9 @@ def main() -> int:
     for r in rows:
         r["speedup_vs_flashinfer"] = (r["output_tok_s"] / base["output_tok_s"]) if base and base["output_tok_s"] else None
     meta = {"commit": git_commit(), "gpu": args.gpu or gpu_name(),
-            "model": os.path.basename(args.model)}
+            "model": os.path.basename(args.model),
+            # patches/model_loader.py: "scaled" makes greedy comparisons decisive
+            "dummy_weights": os.environ.get("SGLANG_EXT_DUMMY_WEIGHTS", "sglang")}
     if args.collect:
         meta["collected"] = "rows built from the run's bench/server files (--collect)"
     results_path = os.path.join(args.out, f"{args.results_name}.json")

@@ -16,6 +16,7 @@ def _patch_modules() -> list:
     from sglang_ext.patches import (
         attention_registry,
         kv_cache_configurator,
+        model_loader,
         paged_allocator,
         req_to_token_pool,
         sampling_params,
@@ -23,7 +24,7 @@ def _patch_modules() -> list:
     )
 
     return [server_args, attention_registry, sampling_params, req_to_token_pool,
-            kv_cache_configurator, paged_allocator]
+            kv_cache_configurator, paged_allocator, model_loader]
 
 
 def register() -> None:
