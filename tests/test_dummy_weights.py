@@ -57,3 +57,16 @@ def test_a_bad_mode_fails_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(model_loader.ENV, "big")
     with pytest.raises(SystemExit, match="SGLANG_EXT_DUMMY_WEIGHTS='big' is not one of"):
         model_loader.setup()
+
+
+def test_tp_ranks_draw_different_output_projections() -> None:
+    # SGLang's fill is the same on every rank's shard; twin tokens of the vocabulary-parallel
+    # output projection would tie exactly.
+    shards = []
+    for rank in range(2):
+        model = TinyLM()
+        initialize_dummy_weights(model)
+        model_loader.rescale_dummy_weights(model, tp_rank=rank)
+        shards.append(model)
+    assert torch.equal(shards[0].proj.weight, shards[1].proj.weight)
+    assert not torch.equal(shards[0].lm_head.weight, shards[1].lm_head.weight)
