@@ -363,8 +363,6 @@ class IndexSelect:
     """CPU index_select of the blocks into pinned staging, then one non-blocking H2D copy."""
 
     def __init__(self, torch, tier, heads, src, page, stage):
-        from sglang_ext.kernels.host_gather import pinned_empty
-
         host_pages = tier.tokens // page
         self.idx = (heads.long() * host_pages + src.long()).cpu()
         n = self.idx.numel()

@@ -10,11 +10,19 @@ For one layer the state is
   sink and the recent window, which live in ordinary, shared device pages) are mapped too and
   count as hits; this kernel never unmaps them.
 * ``slot_block``  int32 ``[rows, Hkv, C]``: the block each working-set slot holds (``-1``: empty).
+* ``ring_pages``/``ring_blocks`` (optional) int32 ``[rows, R]``: the tier's recent-window ring,
+  whose page ``r`` holds block ``ring_blocks[row, r]`` (``-1``: none) and is reused for a newer
+  block once that one leaves the window; block ``j`` can only sit in ring page ``j % R``. A
+  wanted block mapped to its ring page counts as a **miss**: it gets a slot of its own while it
+  is still in the ring, so that when the ring lets it go the block stays resident. Without
+  that, the async schedule would attend a block chosen at the previous step (a ring hit then)
+  whose page the ring has meanwhile reused, and miss its tokens for one step. A slot taken
+  from a block still in the ring maps that block back to its ring page.
 
 Given the wanted blocks ``cand [B, Hkv, C]`` (distinct block ids, ``-1`` = none; the block
 filter's top-k), one program per (request, kv head):
 
-1. hits: wanted blocks that are mapped (in a slot, or in a shared page);
+1. hits: wanted blocks that are mapped (in a slot, or in a shared page other than a ring page);
 2. misses: the other wanted blocks, in candidate order;
 3. free slots: slots whose block is not wanted (or that no longer hold their block: the map
    points elsewhere), in slot order (their data stays mapped, and
@@ -50,6 +58,9 @@ def _update_working_set_kernel(
     SRC_PAGES,
     DST_PAGES,
     STATS,
+    RING,
+    RING_BLOCK,
+    stride_ring,
     stride_cb,
     stride_cg,
     stride_mr,
@@ -66,6 +77,7 @@ def _update_working_set_kernel(
     S_CHUNK: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HAS_STATS: tl.constexpr,
+    NUM_RING: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
@@ -87,6 +99,10 @@ def _update_working_set_kernel(
     # One pass over the slots in chunks: which slots are free, their rank among the free ones
     # (a running count across chunks), and the r-th miss -> the r-th free slot.
     miss = valid & (mapped_page < 0)
+    if NUM_RING > 0:
+        ring_base = row * stride_ring + cand % NUM_RING
+        own_ring_page = tl.load(RING + ring_base, mask=valid, other=-1)
+        miss = miss | (valid & (mapped_page >= 0) & (mapped_page == own_ring_page))
     miss_rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
     n_miss = tl.sum(miss.to(tl.int32), axis=0)
     dst_slot = tl.full([C_P2], -1, tl.int32)
@@ -105,9 +121,16 @@ def _update_working_set_kernel(
         free_rank = free_before + tl.cumsum(free.to(tl.int32), axis=0) - 1
         match = miss[:, None] & free[None, :] & (miss_rank[:, None] == free_rank[None, :])
         dst_slot = tl.maximum(dst_slot, tl.max(tl.where(match, s[None, :], -1), axis=1))
-        # Unmap the old block of every slot a miss takes over.
+        # Unmap the old block of every slot a miss takes over (back to its ring page if the
+        # ring still holds it).
         taken = free & (free_rank < n_miss) & holds
-        tl.store(map_base + sblk, tl.full([S_CHUNK], -1, tl.int32), mask=taken)
+        fallback = tl.full([S_CHUNK], -1, tl.int32)
+        if NUM_RING > 0:
+            old_ring = row * stride_ring + sblk % NUM_RING
+            still = tl.load(RING_BLOCK + old_ring, mask=taken, other=-1) == sblk
+            fallback = tl.where(still, tl.load(RING + old_ring, mask=taken & still, other=-1),
+                                fallback)
+        tl.store(map_base + sblk, fallback, mask=taken)
         free_before += tl.sum(free.to(tl.int32), axis=0)
 
     got = miss & (dst_slot >= 0)
@@ -137,6 +160,8 @@ def update_working_set(
     dst_pages: Tensor | None = None,
     stats: Tensor | None = None,
     host_page_offset: int = 0,
+    ring_pages: Tensor | None = None,
+    ring_blocks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """One layer's residency update (see the module doc); updates ``ws_map``/``slot_block`` in
     place and returns the transfer list ``(src_pages, dst_pages)``, int32 ``[B, Hkv, C]``.
@@ -148,8 +173,16 @@ def update_working_set(
             f"{num_cand} wanted blocks per head need as many working-set slots "
             f"(slot_block {tuple(slot_block.shape)}, slot_pages {tuple(slot_pages.shape)})"
         )
-    for name, t in (("ws_map", ws_map), ("slot_block", slot_block), ("slot_pages", slot_pages),
-                    ("cand", cand)):
+    if (ring_pages is None) != (ring_blocks is None):
+        raise ValueError("ring_pages and ring_blocks go together")
+    checked = [("ws_map", ws_map), ("slot_block", slot_block), ("slot_pages", slot_pages),
+               ("cand", cand)]
+    if ring_pages is not None:
+        if ring_pages.shape != ring_blocks.shape:
+            raise ValueError(f"ring_pages {tuple(ring_pages.shape)} and ring_blocks "
+                             f"{tuple(ring_blocks.shape)} differ")
+        checked += [("ring_pages", ring_pages), ("ring_blocks", ring_blocks)]
+    for name, t in checked:
         if t.dtype != torch.int32 or t.stride(-1) != 1:
             raise ValueError(f"{name} must be int32 with contiguous rows")
     if src_pages is None:
@@ -163,11 +196,15 @@ def update_working_set(
     _update_working_set_kernel[(batch, num_kv_heads)](
         cand, req_pool_indices, tiered, ws_map, slot_block, slot_pages, req_to_token,
         src_pages, dst_pages, stats if stats is not None else src_pages,
+        ring_pages if ring_pages is not None else src_pages,
+        ring_blocks if ring_blocks is not None else src_pages,
+        ring_pages.stride(0) if ring_pages is not None else 0,
         cand.stride(0), cand.stride(1), ws_map.stride(0), ws_map.stride(1),
         slot_block.stride(0), slot_block.stride(1), slot_pages.stride(0), req_to_token.stride(0),
         src_pages.stride(0), src_pages.stride(1), host_page_offset,
         NUM_CAND=num_cand, C_P2=c_p2, S_CHUNK=s_chunk, BLOCK_SIZE=block_size,
         HAS_STATS=stats is not None, num_warps=4 if c_p2 <= 128 else 8,
+        NUM_RING=ring_pages.shape[-1] if ring_pages is not None else 0,
     )
     return src_pages, dst_pages
 
@@ -182,6 +219,8 @@ def update_working_set_ref(
     req_to_token: Tensor,
     block_size: int,
     host_page_offset: int = 0,
+    ring_pages: Tensor | None = None,
+    ring_blocks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Plain-Python oracle of :func:`update_working_set` (same in-place updates and result)."""
     batch, num_kv_heads, num_cand = cand.shape
@@ -195,7 +234,14 @@ def update_working_set_ref(
             wanted = [int(x) for x in cand[b, g]]
             slots = [int(x) for x in slot_block[row, g]]
             wanted_set = {x for x in wanted if x >= 0}
-            misses = [i for i, blk in enumerate(wanted) if blk >= 0 and int(ws_map[row, g, blk]) < 0]
+            ring = ring_pages[row].tolist() if ring_pages is not None else []
+            ring_of = ring_blocks[row].tolist() if ring_blocks is not None else []
+
+            def in_own_ring_page(blk: int) -> bool:
+                return bool(ring) and int(ws_map[row, g, blk]) == ring[blk % len(ring)]
+
+            misses = [i for i, blk in enumerate(wanted)
+                      if blk >= 0 and (int(ws_map[row, g, blk]) < 0 or in_own_ring_page(blk))]
             pages = [int(x) for x in slot_pages[row]]
             holds = [blk >= 0 and int(ws_map[row, g, blk]) == pages[s] for s, blk in enumerate(slots)]
             free = [s for s, blk in enumerate(slots) if blk not in wanted_set or not holds[s]]
@@ -203,7 +249,8 @@ def update_working_set_ref(
                 old = slots[s]
                 page = pages[s]
                 if holds[s]:
-                    ws_map[row, g, old] = -1
+                    still = bool(ring) and ring_of[old % len(ring)] == old
+                    ws_map[row, g, old] = ring[old % len(ring)] if still else -1
                 blk = wanted[i]
                 ws_map[row, g, blk] = page
                 slot_block[row, g, s] = blk

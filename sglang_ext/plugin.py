@@ -20,11 +20,12 @@ def _patch_modules() -> list:
         paged_allocator,
         req_to_token_pool,
         sampling_params,
+        scheduler,
         server_args,
     )
 
     return [server_args, attention_registry, sampling_params, req_to_token_pool,
-            kv_cache_configurator, paged_allocator, model_loader]
+            kv_cache_configurator, paged_allocator, model_loader, scheduler]
 
 
 def register() -> None:

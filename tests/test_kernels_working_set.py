@@ -129,6 +129,50 @@ def _run_sequence(device, steps, batch, num_kv_heads, num_cand, max_blocks, seed
     assert stats.tolist() == [total_wanted, total_missed]
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_wanted_blocks_in_the_ring_get_a_slot_of_their_own(device):
+    """A wanted block mapped to a ring page (resident only until the ring reuses the page) is
+    a miss: it is fetched into a slot and remapped there; sink pages stay hits."""
+    gen = case_generator("ws-ring")
+    rows, hkv, num_cand, max_blocks, bs = 3, 2, 4, 12, 4
+    ref = TierState(gen, rows, hkv, max_blocks, num_cand, bs, [1, 2])
+    ring = torch.full((rows, 3), -1, dtype=torch.int32)
+    ring[1] = torch.tensor([500, 501, 502], dtype=torch.int32)  # block j lives in page j % 3
+    ring_blocks = torch.full((rows, 3), -1, dtype=torch.int32)
+    ring_blocks[1] = torch.tensor([9, 10, -1], dtype=torch.int32)
+    for g in range(hkv):
+        ref.ws_map[1, g, 0] = 400  # sink page
+        ref.ws_map[1, g, 9], ref.ws_map[1, g, 10] = 500, 501  # ring pages
+    rpi = torch.tensor([1])
+    ker = ref.clone().to(device)
+
+    def step(cand):
+        src_r, dst_r = update_working_set_ref(cand, rpi, ref.tiered, ref.ws_map, ref.slot_block,
+                                              ref.slot_pages, ref.req_to_token, bs,
+                                              ring_pages=ring, ring_blocks=ring_blocks)
+        src_k, dst_k = update_working_set(cand.to(device), rpi.to(device), ker.tiered,
+                                          ker.ws_map, ker.slot_block, ker.slot_pages,
+                                          ker.req_to_token, bs, ring_pages=ring.to(device),
+                                          ring_blocks=ring_blocks.to(device))
+        for got, want in ((src_k, src_r), (dst_k, dst_r), (ker.ws_map, ref.ws_map),
+                          (ker.slot_block, ref.slot_block)):
+            torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+        return dst_r
+
+    dst = step(torch.tensor([[[0, 9, 3, -1], [10, 0, -1, -1]]], dtype=torch.int32))
+    slots = set(ref.slot_pages[1].tolist())
+    assert int(ref.ws_map[1, 0, 0]) == 400 and int(ref.ws_map[1, 1, 0]) == 400  # sink: a hit
+    assert int(ref.ws_map[1, 0, 9]) in slots and int(ref.ws_map[1, 1, 10]) in slots
+    assert int(ref.ws_map[1, 1, 9]) == 500  # not wanted by head 1: left in the ring
+    assert (dst[0, 0] >= 0).tolist() == [False, True, True, False]
+    assert (dst[0, 1] >= 0).tolist() == [True, False, False, False]
+    # New blocks take every slot: block 9, still in the ring, goes back to its ring page;
+    # block 3 (not in the ring) is unmapped.
+    step(torch.tensor([[[4, 5, 6, 7], [4, 5, 6, 7]]], dtype=torch.int32))
+    assert int(ref.ws_map[1, 0, 9]) == 500 and int(ref.ws_map[1, 1, 10]) == 501
+    assert int(ref.ws_map[1, 0, 3]) == -1
+
+
 @pytest.mark.parametrize("num_cand,max_blocks", [(5, 9), (16, 40), (33, 70)])
 def test_working_set_sequences_match_oracle(num_cand, max_blocks):
     _run_sequence("cpu", steps=4, batch=3, num_kv_heads=2, num_cand=num_cand,

@@ -89,23 +89,59 @@ def test_tier_outputs_equal_untiered_token_for_token(untiered: Server, tiered: S
         assert str(10000 + 7919 * i) in got["text"]
 
 
-def test_metrics_endpoint_shows_tier_counters(tiered: Server):
-    """--enable-metrics exports the tier's gauges and counters (refreshed every 32 decode steps;
-    the transfer counters move with the GPU kernels, the CPU reference reads the host directly)."""
-    tiered.generate(_passkey_prompt(11, 55555), max_new_tokens=40)
-    text = requests.get(tiered.url + "/metrics", timeout=30).text
+def _tier_metrics(server: Server) -> dict[str, float]:
+    text = requests.get(server.url + "/metrics", timeout=30).text
     values = {}
     for line in text.splitlines():
         if line.startswith("sglang_ext:tier_"):
             name, _, value = line.rpartition(" ")
             values[name.split("{")[0]] = float(value)
+    return values
+
+
+def test_metrics_endpoint_shows_tier_counters(tiered: Server):
+    """--enable-metrics exports the tier's gauges and counters. The transfer counters are
+    refreshed every 32 decode steps (they move with the GPU kernels; the CPU reference reads the
+    host directly); the occupancy gauges whenever a request starts decoding or leaves."""
+    done = threading.Event()
+    seen: list[dict[str, float]] = []
+
+    def sample() -> None:
+        while not done.is_set():
+            seen.append(_tier_metrics(tiered))
+            time.sleep(0.2)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        tiered.generate(_passkey_prompt(11, 55555), max_new_tokens=40)
+    finally:
+        done.set()
+        sampler.join()
+    values = _tier_metrics(tiered)
     for name in ("wanted_blocks_total", "transferred_blocks_total", "transferred_bytes_total",
-                 "hit_rate", "working_area_pages", "working_area_free_pages", "requests"):
+                 "hit_rate", "working_area_pages", "working_area_free_pages", "requests",
+                 "requests_waiting_for_space"):
         assert "sglang_ext:tier_" + name in values, sorted(values)
     total = values["sglang_ext:tier_working_area_pages"]
-    # Sampled while the request was decoding: it held sink, window and working-set pages.
-    assert 0 < values["sglang_ext:tier_working_area_free_pages"] < total
-    assert values["sglang_ext:tier_requests"] >= 1
+    # While the request decoded it held sink, window and working-set pages ...
+    busy = [v for v in seen if v.get("sglang_ext:tier_requests", 0) >= 1]
+    assert busy and all(0 < v["sglang_ext:tier_working_area_free_pages"] < total for v in busy)
+    # ... and once it left, the gauges say so at once (not at the next 32nd decode step).
+    assert values["sglang_ext:tier_requests"] == 0
+    assert values["sglang_ext:tier_working_area_free_pages"] == total
+    assert values["sglang_ext:tier_requests_waiting_for_space"] == 0
+
+
+def test_waiting_for_space_counts_prompts_larger_than_the_free_slots():
+    from types import SimpleNamespace
+
+    from sglang_ext.patches.scheduler import waiting_for_space
+
+    queue = [SimpleNamespace(origin_input_ids=[0] * n) for n in (10, 500, 1000, 20)]
+    assert waiting_for_space(queue, 600) == 1
+    assert waiting_for_space(queue, 5) == 4
+    assert waiting_for_space([], 0) == 0
 
 
 def test_shared_prefix_is_reused_from_the_host(untiered: Server, tiered: Server):

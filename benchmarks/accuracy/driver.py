@@ -190,7 +190,7 @@ class ServerGuard:
 
     def watchdog(self, seconds: float) -> threading.Timer:
         def fire() -> None:
-            print(f"\n[accuracy] hard time limit reached: stopping servers", file=sys.stderr, flush=True)
+            print("\n[accuracy] hard time limit reached: stopping servers", file=sys.stderr, flush=True)
             warnings.simplefilter("ignore")
             self.stop_all()
             _thread.interrupt_main()

@@ -157,7 +157,7 @@ class SparseDecodeBackend(AttentionBackend):
             from sglang_ext.memory_tier.metrics import TierMetrics
 
             pool = self.tiered
-            self._tier_metrics = TierMetrics(
+            self._tier_metrics = pool.metrics = TierMetrics(
                 page_bytes=pool.layout.page_size * (pool.head_dim + pool.v_head_dim)
                 * pool.k_buffer[0].element_size())
         if self.tiered is not None:

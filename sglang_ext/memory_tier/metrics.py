@@ -1,8 +1,11 @@
 """The CPU tier's counters in SGLang's Prometheus endpoint (``--enable-metrics``).
 
 SGLang runs prometheus_client in multiprocess mode, so metrics created in the scheduler process
-show up on the HTTP server's ``/metrics``. The tier's counters live on the device; reading them
-is a host sync, so :class:`TierMetrics` is refreshed every ``every`` decode steps only.
+show up on the HTTP server's ``/metrics``. The tier's transfer counters live on the device;
+reading them is a host sync, so they are refreshed every ``every`` decode steps only. The
+occupancy gauges are host-side values and are also refreshed whenever a request starts decoding
+or leaves (so they do not stay stale once the server is idle), and the queue gauge on every
+scheduler iteration (patches/scheduler.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ class TierMetrics:
                                 multiprocess_mode="mostrecent")
         self.requests = Gauge(p + "requests", "Requests holding working-area pages",
                               multiprocess_mode="mostrecent")
+        self.waiting = Gauge(p + "requests_waiting_for_space",
+                             "Queued requests whose prompt does not fit in the free KV slots "
+                             "(GPU + host tier, radix-evictable included)",
+                             multiprocess_mode="mostrecent")
 
     def update(self, occupancy: dict[str, Any]) -> None:
         wanted = occupancy["wanted_blocks"] - self._last["wanted_blocks"]
@@ -40,6 +47,13 @@ class TierMetrics:
         self.transferred.inc(max(moved, 0))
         self.transferred_bytes.inc(max(moved, 0) * self.page_bytes)
         self.hit_rate.set(occupancy["hit_rate"])
-        self.work_free.set(occupancy["work_pages_free"])
-        self.work_total.set(occupancy["work_pages"])
-        self.requests.set(occupancy["requests_tiered"])
+        self.update_occupancy(occupancy["work_pages_free"], occupancy["work_pages"],
+                              occupancy["requests_tiered"])
+
+    def update_occupancy(self, work_pages_free: int, work_pages: int, requests: int) -> None:
+        self.work_free.set(work_pages_free)
+        self.work_total.set(work_pages)
+        self.requests.set(requests)
+
+    def update_waiting(self, waiting: int) -> None:
+        self.waiting.set(waiting)

@@ -20,7 +20,11 @@ area** (:class:`WorkArea`), in ``page_size`` pages:
 * once a request's prefill is done (its first decode step), its staging pages are dropped:
   it keeps sink pages, a ring of recent-window pages (decode writes land there) and
   ``num_slots`` working-set slots (:class:`WorkingSetTier`), which the sparse decode fills
-  from the host by the set difference of consecutive selections.
+  from the host by the set difference of consecutive selections. The slots start with the
+  middle blocks nearest the window, copied from staging (the first decode step has no previous
+  selection to attend), and a selected block still in the ring gets a slot before the ring
+  reuses its page: with a budget >= the context the tiered decode is exact from the first step
+  under both schedules (tests/test_tier_decode_steps.py).
 
 Per request the decode reads keys through ``WorkingSetTier.page_maps`` (block -> device page,
 per layer and kv head): GPU-homed blocks map to themselves, sink/window blocks to their pages,
@@ -185,6 +189,8 @@ class TieredKVPool(MHATokenToKVPool):
         self.rows: dict[int, RowState] = {}
         self._staged: dict[int, list[int]] = {}  # logical page -> [device page, refcount]
         self.tier: Optional[WorkingSetTier] = None  # per-row tables: see bind()
+        # Prometheus gauges (--enable-metrics; memory_tier/metrics.py), set by the backend.
+        self.metrics: Optional[Any] = None
         # SGLANG_EXT_TIER_VERIFY (tests): 1 = check for leaks whenever the last request leaves;
         # 2 = also check every mapped device copy against its home at every decode step (slow).
         self.verify = verify_level()
@@ -214,6 +220,7 @@ class TieredKVPool(MHATokenToKVPool):
         self.ring_pages_t = torch.zeros((rows, self.layout.ring_pages), **i32)
         self.ring_block_t = torch.full((rows, self.layout.ring_pages), -1, **i32)
         self.sink_pages_t = torch.zeros((rows, max(self.layout.sink_pages, 1)), **i32)
+        self.tier.ring_pages, self.tier.ring_blocks = self.ring_pages_t, self.ring_block_t
         # CUDA-graph padding entries decode row 0 at position 0: map it to the padding page.
         self.tier.page_maps[0, :, :, 0] = 0
 
@@ -364,6 +371,7 @@ class TieredKVPool(MHATokenToKVPool):
         blocks, pages, copy_src, copy_dst = [], [], [], []
         ring_block = [-1] * lay.ring_pages
         ring_lps = []
+        middle: list[int] = []  # host-homed blocks between the sink and the ring
         n_sink = min(lay.sink_pages, nblocks)
         for j, lp in enumerate(lps):
             if lp < gp:
@@ -377,11 +385,18 @@ class TieredKVPool(MHATokenToKVPool):
                 ring_block[j % lay.ring_pages] = j
                 ring_lps.append((lp, dst))
             else:
-                continue  # middle block on the host: fetched into a slot when selected
+                middle.append(j)  # fetched into a slot when selected
+                continue
             copy_src.append(self._staged[lp][0])
             copy_dst.append(dst)
             blocks.append(j)
             pages.append(dst)
+        # The working set starts with the middle blocks nearest the window, copied from their
+        # staging pages (no host transfer): all of them when they fit, which makes the first
+        # step exact at a budget >= the context under either schedule.
+        preload = middle[-lay.num_slots:] if lay.num_slots else []
+        copy_src += [self._staged[lps[j]][0] for j in preload]
+        copy_dst += state.slots[:len(preload)]
         self._copy_pages(copy_src, copy_dst)
         self._unstage(state)
         dev = self.device
@@ -397,7 +412,9 @@ class TieredKVPool(MHATokenToKVPool):
         if state.sink:
             self.sink_pages_t[row, :len(state.sink)] = torch.tensor(state.sink, dtype=torch.int32)
         self.tier.attach(row, torch.tensor(state.slots, dtype=torch.int32, device=dev))
+        self.tier.preload(row, torch.tensor(preload, dtype=torch.int32, device=dev))
         state.decoding = True
+        self._publish_occupancy()
 
     def pending_rows(self) -> set[int]:
         """Rows that went through prefill and have not decoded yet."""
@@ -426,19 +443,21 @@ class TieredKVPool(MHATokenToKVPool):
         sink_page = self.sink_pages_t[rpi, j.clamp(max=self.sink_pages_t.shape[1] - 1)]
         host_page = torch.where(in_sink, sink_page, ring_page)
         page = torch.where(on_host, host_page, lp.to(torch.int32))
-        # The ring page's previous block (host-homed, not a sink block) loses its mapping.
+        # The ring page's previous block (host-homed, not a sink block) loses its mapping where
+        # it still points at the ring page: per (layer, kv head), since the working set may
+        # have given the block a slot of its own for some of them (see update_working_set).
         takes_ring = on_host & ~in_sink
         old = self.ring_block_t[rpi, ring_slot].long()
         evict = takes_ring & (old >= 0) & (old != j)
         old_c = old.clamp(min=0)
         pm = self.tier.page_maps
-        old_page = pm[rpi, 0, 0, old_c]
-        evict = evict & (old_page == ring_page)
         cur = pm[rpi, :, :, old_c]  # [B, L, H]
-        pm[rpi, :, :, old_c] = torch.where(evict[:, None, None], torch.full_like(cur, -1), cur)
+        gone = evict[:, None, None] & (cur == ring_page[:, None, None])
+        pm[rpi, :, :, old_c] = torch.where(gone, torch.full_like(cur, -1), cur)
         old_lp = (req_to_token[rpi, old_c * ps].long() // ps)
         cur_lp = self.dev_page_of_lp[old_lp]
-        self.dev_page_of_lp[old_lp] = torch.where(evict, torch.full_like(cur_lp, -1), cur_lp)
+        self.dev_page_of_lp[old_lp] = torch.where(evict & (cur_lp == ring_page),
+                                                  torch.full_like(cur_lp, -1), cur_lp)
         self.ring_block_t[rpi, ring_slot] = torch.where(takes_ring, j.to(torch.int32),
                                                         self.ring_block_t[rpi, ring_slot])
         pm[rpi, :, :, j] = page.to(torch.int32)[:, None, None].expand(-1, pm.shape[1], pm.shape[2])
@@ -461,8 +480,14 @@ class TieredKVPool(MHATokenToKVPool):
         self.work.free(state.sink + state.ring + state.slots)
         self.ring_block_t[row] = -1
         self.tier.detach(row)
+        self._publish_occupancy()
         if self.verify >= 1 and not self.rows:
             self.check_idle()
+
+    def _publish_occupancy(self) -> None:
+        """Host-side occupancy to the gauges (no device read)."""
+        if self.metrics is not None:
+            self.metrics.update_occupancy(self.work.available, self.work.num_pages, len(self.rows))
 
     def check_idle(self) -> None:
         """With no request left, every working-area page is free and nothing is staged."""

@@ -20,7 +20,8 @@ quest's blocks). Two schedules (``mode``):
   ``C_t`` runs on a side stream, overlapping the remaining layers; :meth:`finish_step` joins
   the side stream before the step ends (the fence: the next step finds ``C_t`` resident).
   The update runs after the layer's attention, so it may evict ``C_{t-1}``: no double
-  buffering is needed and ``num_slots`` equals the block filter's k.
+  buffering is needed and ``num_slots`` equals the block filter's k. A request's first step
+  attends the blocks its pool preloaded (:meth:`WorkingSetTier.preload`).
 
 Everything a step launches has static shapes and no host sync, so it is captured in the
 decode CUDA graph with the rest of the step (the side stream forks and joins inside it).
@@ -89,6 +90,11 @@ class WorkingSetTier:
             .expand(max_batch, num_kv_heads, num_slots).contiguous()
         )
         self.stats = torch.zeros(2, dtype=torch.int64, device=self.device)
+        # [rows, R] each row's recent-window ring: its device pages and the block each holds
+        # (set by the pool). A wanted block in the ring is fetched into a slot before the ring
+        # reuses its page (kernels/working_set.py).
+        self.ring_pages: Optional[Tensor] = None
+        self.ring_blocks: Optional[Tensor] = None
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._forked = False
 
@@ -110,6 +116,21 @@ class WorkingSetTier:
         self.slot_block[row] = -1
         self.attend_rows[row] = -1
         self.tiered[row] = 1
+
+    def preload(self, row: int, blocks: Tensor) -> None:
+        """Record that the first ``len(blocks)`` working-set slots of ``row`` already hold
+        ``blocks`` (every layer and kv head; the caller copied the data) and that the row's
+        next step attends them. A request starts decoding with a working set, not an empty one:
+        under ``async`` its first step attends these blocks instead of sink + window alone."""
+        n = blocks.numel()
+        if n > self.num_slots:
+            raise ValueError(f"{n} blocks for {self.num_slots} working-set slots")
+        if n == 0:
+            return
+        blocks = blocks.to(device=self.device, dtype=torch.int32)
+        self.slot_block[row, :, :, :n] = blocks
+        self.page_maps[row, :, :, blocks.long()] = self.slot_pages[row, :n]
+        self.attend_rows[row, :, :, :n] = blocks
 
     def detach(self, row: int) -> None:
         """Forget ``row`` (finished, aborted, retracted): no mappings, no slots."""
@@ -183,6 +204,7 @@ class WorkingSetTier:
             blocks, req_pool_indices, self.tiered, self.page_maps[:, layer],
             self.slot_block[:, layer], self.slot_pages, req_to_token, self.page_size,
             src_pages=src, dst_pages=dst, stats=self.stats, host_page_offset=self.host_page_offset,
+            ring_pages=self.ring_pages, ring_blocks=self.ring_blocks,
         )
         # sync: the copy is on the critical path, give it every SM; async: it runs beside the
         # next layers' kernels, so a few persistent programs (the gather's default) suffice.

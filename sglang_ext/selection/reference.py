@@ -458,7 +458,7 @@ class BatchedSparseDecode:
             tok_scores = self._pairwise_max(qs, ks_t, self.inv).transpose(0, 1)  # [B, Hkv, Lmax]
 
         for g in self.block_groups:
-            b, bs = g["members"], g["bs"]
+            b = g["members"]
             kb = ku.index_select(0, g["block_u"].reshape(-1)).view(*g["block_u"].shape, *ku.shape[1:])  # [UB, bs, Hkv, D]
             kmin = kb.amin(dim=1).float().permute(1, 2, 0)  # [Hkv, D, UB]
             kmax = kb.amax(dim=1).float().permute(1, 2, 0)
