@@ -30,6 +30,7 @@ def _around_from_cli_args(original: Callable, cls: type, args: argparse.Namespac
     attach_config(server_args, cfg)
     if uses_sparse_backend(server_args):
         _check_label_config(server_args, cfg)
+        _check_head_policy(server_args, cfg)
         _force_compatible_settings(server_args, cfg)
         from sglang_ext.attention.sparse_backend import resolve_impl
 
@@ -104,6 +105,20 @@ def _check_label_config(server_args: Any, cfg: sparse_config.SparseConfig) -> No
         )
 
 
+def _check_head_policy(server_args: Any, cfg: sparse_config.SparseConfig) -> None:
+    """A policy calibrated for another model must stop start-up, not the first decode."""
+    if cfg.head_policy is None:
+        return
+    from sglang_ext.selection.head_policy import load_head_policy
+
+    mc = server_args.get_model_config()
+    try:
+        load_head_policy(cfg.head_policy, num_layers=mc.num_hidden_layers,
+                         num_kv_heads=mc.get_total_num_kv_heads())
+    except ValueError as e:
+        raise SystemExit(f"sglang_ext: --sparse-head-policy: {e}") from None
+
+
 def _force_compatible_settings(server_args: Any, cfg: sparse_config.SparseConfig) -> None:
     """Settings that would route decode tokens around our backend, and the paging and CUDA
     graph settings each decode implementation needs."""
@@ -120,9 +135,12 @@ def _force_compatible_settings(server_args: Any, cfg: sparse_config.SparseConfig
     impl = resolve_impl(cfg, server_args.device)
     if impl == "triton" and server_args.device == "cpu":
         raise SystemExit("sglang_ext: --sparse-impl triton needs a CUDA device (use reference on CPU)")
-    if impl == "triton" and cfg.locality_blocks > 0:
-        raise SystemExit("sglang_ext: --sparse-locality-blocks runs in the reference decode for now "
-                         "(add --sparse-impl reference)")
+    for field, flag in (("locality_blocks", "--sparse-locality-blocks"),
+                        ("scoring", "--sparse-scoring output_aware"),
+                        ("head_policy", "--sparse-head-policy")):
+        if impl == "triton" and getattr(cfg, field) not in (0, "score", None):
+            raise SystemExit(f"sglang_ext: {flag} runs in the reference decode for now "
+                             f"(add --sparse-impl reference)")
     if impl == "reference" and not server_args.disable_cuda_graph and server_args.device != "cpu":
         # The reference decode loops over requests on the host: not capturable.
         changes["disable_cuda_graph"] = True

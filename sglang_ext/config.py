@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from sglang_ext.selection.reference import METHODS
+from sglang_ext.selection.reference import METHODS, SCORINGS
 
 BACKEND_NAME = "sglang_ext"  # --attention-backend / --decode-attention-backend value
 DENSE_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
@@ -50,6 +50,8 @@ class SparseConfig:
     guard_every: int = 0  # accuracy guard: decode steps between two recall probes (0 = off)
     guard_recall: float = 0.9  # the guard doubles a request's budget below this recall
     guard_max_budget: int = 0  # 0 = auto: 4x --sparse-budget
+    scoring: str = "score"  # two_level's token ranking: see SCORINGS
+    head_policy: Optional[str] = None  # per-head policy file (selection/head_policy.py)
 
     @property
     def keeps_label_cache(self) -> bool:
@@ -90,6 +92,14 @@ _FLAGS: tuple[tuple[str, str, str, str], ...] = (
     ("sink", "--sparse-sink", "TOKENS", "First tokens of the context that are always attended."),
     ("window", "--sparse-window", "TOKENS",
      "Most recent tokens (the current one included) that are always attended."),
+    ("scoring", "--sparse-scoring", "{" + ",".join(SCORINGS) + "}",
+     "two_level's token ranking: score (label scores, the same k per kv head) or output_aware "
+     "(Fluxion: estimated attention weight x value norm, the layer's budget shared among its kv "
+     "heads by that mass; reference decode)."),
+    ("head_policy", "--sparse-head-policy", "PATH",
+     "Per-head policy (python -m sglang_ext.selection.head_policy): streaming kv heads attend "
+     "sink + window only and retrieval heads share the budget they leave (reference decode; a "
+     "request opts out with custom_params.sparse.head_policy=false)."),
     ("label_channels", "--sparse-label-channels", "CHANNELS",
      "Channels per kv head used for token scores (taken from --sparse-label-config)."),
     ("label_config", "--sparse-label-config", "PATH",
@@ -247,6 +257,12 @@ def _validate(cfg: SparseConfig) -> None:
         fail("locality_blocks", "must be >= 0 (0 = off)")
     if cfg.eviction_score not in ("attention", "key_norm"):
         fail("eviction_score", "must be one of attention, key_norm")
+    if cfg.scoring not in SCORINGS:
+        fail("scoring", f"must be one of {', '.join(SCORINGS)}")
+    if cfg.scoring != "score" and cfg.method != "two_level":
+        fail("scoring", "needs --sparse-method two_level")
+    if cfg.head_policy is not None and not os.path.isfile(cfg.head_policy):
+        fail("head_policy", "is not a readable file")
     if cfg.dense_decode not in DENSE_DECODE_MODES:
         fail("dense_decode", f"must be one of {', '.join(DENSE_DECODE_MODES)}")
     if cfg.locality_blocks > 0:

@@ -70,14 +70,18 @@ DECODE_KNEE = 3072.0
 SUITE_SERVER_ARGS = ["--chunked-prefill-size", "8192", "--max-running-requests", "64"]
 
 
-def sparse_server_args(block_size: int, dense_decode: str = "float32") -> list[str]:
+def sparse_server_args(block_size: int, dense_decode: str = "float32",
+                       head_policy: Optional[str] = None) -> list[str]:
     """Our backend; method and budget come with each request, the block size too (so the flag
     only sets the default). ``dense_decode``: how the dense requests decode (float32 by default:
-    the same attention as SGLang's bf16 SDPA call, ~8x faster per request on a CPU)."""
+    the same attention as SGLang's bf16 SDPA call, ~8x faster per request on a CPU).
+    ``head_policy``: a per-head policy file (the ``head_policy`` method's requests use it)."""
     args = ["--attention-backend", "sglang_ext", "--sparse-block-size", str(block_size),
             "--sparse-dense-decode", dense_decode]
     if os.path.exists(LABELS):
         args += ["--sparse-label-config", LABELS]
+    if head_policy:
+        args += ["--sparse-head-policy", head_policy]
     return args + SUITE_SERVER_ARGS
 
 
@@ -91,8 +95,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--contexts", nargs="+", type=int, default=list(DEFAULT_CONTEXTS),
                    help="prompt lengths in tokens (8192 is the model's limit)")
     p.add_argument("--budgets", nargs="+", type=int, default=list(DEFAULT_BUDGETS))
-    p.add_argument("--methods", nargs="+", default=list(R.METHODS), choices=R.METHODS,
-                   help="sparse methods; dense always runs (it prefills each sample)")
+    p.add_argument("--methods", nargs="+", default=list(R.METHODS), choices=R.ALL_METHODS,
+                   help="sparse methods; dense always runs (it prefills each sample); "
+                        "output_aware / head_policy are two_level variants (Fluxion)")
+    p.add_argument("--head-policy", default=None,
+                   help="per-head policy for the servers (python -m "
+                        "sglang_ext.selection.head_policy); needed by --methods head_policy")
     p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="samples per (task, context)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help="tokens per block (4 for this CPU model; 16 is the GPU default)")
@@ -241,6 +249,8 @@ def _hm(seconds: float) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     t_start = time.time()
+    if "head_policy" in args.methods and not args.head_policy and not args.server_url:
+        raise SystemExit("accuracy: --methods head_policy needs --head-policy FILE")
     settings = R.sparse_settings(args.methods, args.budgets, args.block_size, args.sink, args.window)
     print(f"[accuracy] tasks {args.tasks}, contexts {args.contexts}, {args.samples} samples each; "
           f"dense + {args.methods} x budgets {args.budgets}; block size {args.block_size} "
@@ -268,7 +278,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             urls = [u.rstrip("/") for u in args.server_url]
             server_desc = f"external: {' '.join(urls)}"
         else:
-            server_args = sparse_server_args(args.block_size, args.dense_decode)
+            server_args = sparse_server_args(args.block_size, args.dense_decode, args.head_policy)
             # One torch (OpenMP) thread per core and server, so servers do not preempt each other.
             os.environ["OMP_NUM_THREADS"] = str(threads_per_server)
             urls = [sv.url for sv in guard.start(server_args, "sglang_ext", args.servers)]

@@ -32,6 +32,13 @@ from tqdm import tqdm
 from benchmarks.accuracy import tasks as T
 
 METHODS = ("quest", "ds", "two_level")
+# two_level variants (Fluxion), each a method name in the rows; "head_policy" needs servers
+# started with --sparse-head-policy (the driver's --head-policy).
+VARIANTS = {
+    "output_aware": {"method": "two_level", "scoring": "output_aware"},
+    "head_policy": {"method": "two_level", "head_policy": True},
+}
+ALL_METHODS = METHODS + tuple(VARIANTS)
 DENSE = "dense"
 # Upper bounds of sink / window; small budgets get smaller ones (see sparse_settings).
 DEFAULT_SINK = 16
@@ -119,12 +126,14 @@ def sparse_settings(methods: Sequence[str], budgets: Sequence[int], block_size: 
     for m in methods:
         if m == DENSE:
             continue
-        if m not in METHODS:
-            raise ValueError(f"unknown method {m!r}; known: {', '.join(METHODS)}, dense")
+        if m not in ALL_METHODS:
+            raise ValueError(f"unknown method {m!r}; known: {', '.join(ALL_METHODS)}, dense")
+        # A server with a head policy applies it unless told not to.
+        how = VARIANTS.get(m, {"method": m, "head_policy": False})
         for b in budgets:
             s, w = shrunk_sink_window(b, sink, window)
             out.append(Setting(m, b, {"sparse": {
-                "method": m, "budget": b, "block_size": block_size, "sink": s, "window": w,
+                **how, "budget": b, "block_size": block_size, "sink": s, "window": w,
             }}))
     return out
 
@@ -379,7 +388,7 @@ def validate_row(row: dict) -> None:
         raise ValueError(f"score out of range: {row!r}")
     if row["n"] < 1 or row["context"] < 1 or row["budget"] < 0 or row["seconds"] < 0:
         raise ValueError(f"bad counts: {row!r}")
-    if (row["method"] in METHODS) != (row["budget"] > 0):
+    if (row["method"] in ALL_METHODS) != (row["budget"] > 0):
         raise ValueError(f"sparse methods need a budget, others budget 0: {row!r}")
 
 
@@ -390,7 +399,7 @@ def _row_key(row: dict) -> tuple:
 def _order(row: dict) -> tuple:
     task_i = T.TASKS.index(row["task"]) if row["task"] in T.TASKS else len(T.TASKS)
     meth = row["method"]
-    meth_i = (0 if meth == DENSE else 1 + METHODS.index(meth) if meth in METHODS else 9)
+    meth_i = (0 if meth == DENSE else 1 + ALL_METHODS.index(meth) if meth in ALL_METHODS else 9)
     return task_i, row["task"], row["context"], meth_i, meth, row["budget"]
 
 
@@ -428,7 +437,7 @@ def render_markdown(doc: dict) -> str:
     sparse = sorted({(r["method"], r["budget"]) for r in rows if r["budget"] > 0},
                     key=lambda mb: (_order({"task": "", "context": 0, "method": mb[0], "budget": mb[1]})))
     budgets = sorted({b for _, b in sparse})
-    methods = [m for m in METHODS if any(mm == m for mm, _ in sparse)]
+    methods = [m for m in ALL_METHODS if any(mm == m for mm, _ in sparse)]
     refs = sorted({r["method"] for r in rows if r["budget"] == 0 and r["method"] != DENSE})
     cell = {_row_key(r): r for r in rows}
     tasks = sorted({r["task"] for r in rows}, key=lambda t: _order({"task": t, "context": 0, "method": DENSE, "budget": 0}))
@@ -486,9 +495,10 @@ def render_plot(doc: dict, path: str) -> None:
     contexts = sorted({r["context"] for r in rows})
     cell = {_row_key(r): r["score"] for r in rows}
     budgets = sorted({r["budget"] for r in rows if r["budget"] > 0})
-    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    methods = [m for m in ALL_METHODS if any(r["method"] == m for r in rows)]
     refs = sorted({r["method"] for r in rows if r["budget"] == 0 and r["method"] != DENSE})
-    colors = {"quest": "tab:blue", "ds": "tab:orange", "two_level": "tab:green"}
+    colors = {"quest": "tab:blue", "ds": "tab:orange", "two_level": "tab:green",
+              "output_aware": "tab:red", "head_policy": "tab:purple"}
 
     def get(task, ctx, method, budget):
         if task == "mean":

@@ -20,13 +20,16 @@ from sglang_ext.selection import SelectionParams
 
 OVERRIDE_KEY = "sparse"
 DENSE = "dense"
-OVERRIDABLE = ("method", "budget", "block_size", "candidate_blocks", "sink", "window")
+OVERRIDABLE = ("method", "budget", "block_size", "candidate_blocks", "sink", "window", "scoring",
+               "head_policy")
 
 # What a request decodes with: SelectionParams, or None for dense attention.
 RequestSparsity = Optional[SelectionParams]
 
 
-def selection_params(cfg: SparseConfig) -> SelectionParams:
+def selection_params(cfg: SparseConfig, use_head_policy: Optional[bool] = None) -> SelectionParams:
+    """The selection ``cfg`` describes; the server's head policy applies unless
+    ``use_head_policy`` is False."""
     return SelectionParams(
         method=cfg.method,
         budget=cfg.budget,
@@ -34,6 +37,8 @@ def selection_params(cfg: SparseConfig) -> SelectionParams:
         candidate_blocks=cfg.effective_candidate_blocks,
         sink=cfg.sink,
         window=cfg.window,
+        scoring=cfg.scoring,
+        head_policy=cfg.head_policy is not None and use_head_policy is not False,
     )
 
 
@@ -52,12 +57,22 @@ def parse_override(custom_params: Optional[Mapping[str, Any]], base: SparseConfi
         )
     if raw.get("method") == DENSE:
         return None
+    raw = dict(raw)
+    use_policy = raw.pop("head_policy", None)
+    if use_policy is not None and not isinstance(use_policy, bool):
+        raise ValueError(f"custom_params.{OVERRIDE_KEY}.head_policy must be true or false, "
+                         f"got {use_policy!r}")
+    if use_policy and base.head_policy is None:
+        raise ValueError(f"custom_params.{OVERRIDE_KEY}.head_policy needs a server started with "
+                         f"--sparse-head-policy")
     values = dataclasses.asdict(base)
     if "budget" in raw and "candidate_blocks" not in raw:
         values["candidate_blocks"] = 0  # re-derive the automatic value from the new budget
+    if "method" in raw and raw["method"] != "two_level" and "scoring" not in raw:
+        values["scoring"] = "score"  # the server's output-aware scoring is two_level's
     values.update(raw)
     try:
-        return selection_params(build_config(**values))
+        return selection_params(build_config(**values), use_policy)
     except ConfigError as e:
         raise ValueError(f"custom_params.{OVERRIDE_KEY}: {e}") from None
 

@@ -142,6 +142,8 @@ class SparseDecodeBackend(AttentionBackend):
 
                 self._guard_metrics = GuardMetrics()
         self.label_channels = self._load_label_channels(model_runner, config)
+        # [num_layers, this rank's kv heads] True where a kv head streams (--sparse-head-policy)
+        self.streaming_heads = self._load_head_policy(model_runner, config)
         self.summaries: Optional[PageSummaries] = None
         self.labels: Optional[list[torch.Tensor]] = None  # per layer, see _allocate_label_cache
         self._workspaces: list[Any] = []
@@ -244,6 +246,22 @@ class SparseDecodeBackend(AttentionBackend):
         tp = attn_tp()
         heads = rank_kv_heads(total_heads, tp.size, tp.rank)
         return channels[:, heads.start:heads.stop, : config.label_channels].to(model_runner.device)
+
+    @staticmethod
+    def _load_head_policy(model_runner: ModelRunner, config: SparseConfig) -> Optional[torch.Tensor]:
+        if config.head_policy is None:
+            return None
+        from sglang_ext.selection.head_policy import load_head_policy
+
+        mc = model_runner.model_config
+        total_heads = mc.get_total_num_kv_heads()
+        policy = load_head_policy(config.head_policy, num_layers=mc.num_hidden_layers,
+                                  num_kv_heads=total_heads)
+        tp = attn_tp()
+        heads = rank_kv_heads(total_heads, tp.size, tp.rank)
+        logger.info("sglang_ext head policy: %d of %d kv heads stream (sink + window only)",
+                    int(policy.sum()), policy.numel())
+        return policy[:, heads.start:heads.stop]
 
     def _dense_backend(self) -> AttentionBackend:
         """The SGLang backend that runs prefill/extend (built lazily: under HybridAttnBackend
@@ -642,7 +660,8 @@ class SparseDecodeBackend(AttentionBackend):
             local = self._uses_locality(params)
             guard = meta.guards[i] if meta.guards is not None else None
             if self.tiered is None and params is not None and seq_len > params.budget \
-                    and not local and guard is None:
+                    and not local and guard is None and params.scoring == "score" \
+                    and not params.head_policy:
                 sparse.append(i)
                 continue
             slots = req_to_token[row, :seq_len]
@@ -658,7 +677,9 @@ class SparseDecodeBackend(AttentionBackend):
                 mask = self._select_with_locality(row, layer, q[i], keys, params, channels)
                 out[i] = sparse_attention(q[i], keys, values, mask, layer.scaling)
             else:
-                mask = select_token_mask(q[i], keys, params, channels)
+                streaming = None if self.streaming_heads is None \
+                    else self.streaming_heads[layer.layer_id]
+                mask = select_token_mask(q[i], keys, params, channels, values, streaming)
                 out[i] = sparse_attention(q[i], keys, values, mask, layer.scaling)
                 if guard is not None:
                     guard.add_recall(selection_recall(q[i], keys, mask, layer.scaling,

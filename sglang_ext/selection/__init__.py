@@ -2,6 +2,7 @@
 
 from sglang_ext.selection.reference import (
     METHODS,
+    SCORINGS,
     SelectionParams,
     block_minmax,
     label_token_scores,
@@ -15,6 +16,7 @@ from sglang_ext.selection.reference import (
 
 __all__ = [
     "METHODS",
+    "SCORINGS",
     "SelectionParams",
     "block_minmax",
     "label_token_scores",

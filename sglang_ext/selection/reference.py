@@ -15,12 +15,16 @@ input dtype. Top-k ties go to the lower block / position so the oracle is determ
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 METHODS = ("quest", "ds", "two_level")
+# How two_level ranks the tokens of its kept blocks: by label score (Double Sparsity), or by
+# estimated contribution to the output with the budget shared among the kv heads (Fluxion).
+SCORINGS = ("score", "output_aware")
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,9 @@ class SelectionParams:
 
     ``budget`` counts every attended position, sink and window included. ``window`` includes
     the current token, so it is at least 1. ``candidate_blocks`` is only used by two_level.
+    ``scoring`` (two_level): see :data:`SCORINGS` and :func:`output_aware_token_mask`.
+    ``head_policy``: apply the server's per-head policy (streaming kv heads attend their sink and
+    window only; see :mod:`sglang_ext.selection.head_policy`).
     """
 
     method: str
@@ -37,10 +44,16 @@ class SelectionParams:
     candidate_blocks: int
     sink: int
     window: int
+    scoring: str = "score"
+    head_policy: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"scoring must be one of {SCORINGS}, got {self.scoring!r}")
+        if self.scoring != "score" and self.method != "two_level":
+            raise ValueError(f"scoring {self.scoring!r} needs method two_level, got {self.method!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.sink < 0 or self.window < 1:
@@ -121,6 +134,25 @@ def _top_k_mask(scores: Tensor, k: int) -> Tensor:
     return above | (tied & (tied.cumsum(dim=1) <= remaining))
 
 
+def output_aware_token_mask(scores: Tensor, value_norms: Tensor, total: int,
+                            sm_scale: float) -> Tensor:
+    """Fluxion's output-aware choice: bool ``[Hkv, M]`` with at most ``total`` entries overall.
+
+    Each kv head's label scores (``-inf`` outside its candidates) give an estimate of its
+    attention weights, ``softmax(score * sm_scale)``; a token's estimated contribution to the
+    head's output is that weight times its value norm, normalised so that each head's
+    contributions sum to 1. The ``total`` largest contributions over all heads are kept: a head
+    whose attention is concentrated gives up slots to heads whose attention is spread out, and
+    the tokens that move the output most win within a head. Ties go to the lower index, head
+    by head."""
+    weights = torch.softmax(scores.float() * sm_scale, dim=-1).nan_to_num(0.0)
+    contrib = weights * value_norms.float()
+    contrib = contrib / contrib.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+    flat = contrib.reshape(1, -1)
+    total = min(total, flat.shape[1])
+    return _top_k_mask(flat, total).view_as(scores) & (scores > float("-inf"))
+
+
 def _select_middle(
     q: Tensor,
     keys: Tensor,
@@ -128,6 +160,7 @@ def _select_middle(
     lo: int,
     hi: int,
     channels: Tensor | None,
+    values: Tensor | None = None,
 ) -> Tensor:
     """Bool ``[Hkv, hi - lo]``: the positions picked from the middle ``M = [lo, hi)``."""
     n_sel = params.budget - params.sink - params.window
@@ -155,13 +188,33 @@ def _select_middle(
     # they only fill slots when the kept blocks hold fewer than n_sel positions; `& in_kept`
     # drops them.
     scores = label_token_scores(q, keys[lo:hi], channels).masked_fill(~in_kept, float("-inf"))
+    if params.scoring == "output_aware":
+        if values is None:
+            raise ValueError("output_aware scoring needs the values")
+        norms = values[lo:hi].float().norm(dim=-1).transpose(0, 1)  # [Hkv, M]
+        return output_aware_token_mask(scores, norms, n_sel * keys.shape[1],
+                                       q.shape[-1] ** -0.5) & in_kept
     return _top_k_mask(scores, n_sel) & in_kept
 
 
+def retrieval_params(params: SelectionParams, num_kv_heads: int, num_retrieval: int) -> SelectionParams:
+    """The selection of each retrieval head when the others stream: the layer's selected-token
+    budget (``budget - sink - window`` per kv head) is shared by the retrieval heads, so the
+    layer attends as many tokens as without the policy (candidate blocks scale alike)."""
+    n_sel = params.budget - params.sink - params.window
+    share = n_sel * num_kv_heads // num_retrieval
+    cand = -(-params.candidate_blocks * share // n_sel) if n_sel else params.candidate_blocks
+    return dataclasses.replace(params, budget=params.sink + params.window + share,
+                               candidate_blocks=cand)
+
+
 def select_token_mask(
-    q: Tensor, keys: Tensor, params: SelectionParams, channels: Tensor | None = None
+    q: Tensor, keys: Tensor, params: SelectionParams, channels: Tensor | None = None,
+    values: Tensor | None = None, streaming: Tensor | None = None,
 ) -> Tensor:
-    """Bool ``[Hkv, L]``: the positions each kv head attends."""
+    """Bool ``[Hkv, L]``: the positions each kv head attends. ``values`` are needed by output-
+    aware scoring; ``streaming`` (bool ``[Hkv]``, with ``params.head_policy``) marks the kv
+    heads that attend their sink and window only: they are not scored."""
     length, num_kv_heads = keys.shape[:2]
     if length <= params.budget:
         return torch.ones(num_kv_heads, length, dtype=torch.bool, device=keys.device)
@@ -169,7 +222,17 @@ def select_token_mask(
     lo, hi = params.sink, length - params.window  # M; non-empty since L > budget >= sink + window
     mask[:, :lo] = True
     mask[:, hi:] = True
-    mask[:, lo:hi] = _select_middle(q, keys, params, lo, hi, channels)
+    if params.head_policy and streaming is not None:
+        scored = (~streaming.to(keys.device)).nonzero().flatten()
+        if scored.numel():
+            group = q.shape[0] // num_kv_heads
+            q_rows = (scored[:, None] * group + torch.arange(group, device=q.device)).flatten()
+            mask[scored, lo:hi] = _select_middle(
+                q[q_rows], keys[:, scored], retrieval_params(params, num_kv_heads, scored.numel()),
+                lo, hi, None if channels is None else channels[scored],
+                None if values is None else values[:, scored])
+        return mask
+    mask[:, lo:hi] = _select_middle(q, keys, params, lo, hi, channels, values)
     return mask
 
 
