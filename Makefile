@@ -4,6 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 MODEL_DIR := .models/smollm2
 LABELS := $(MODEL_DIR)/sparse_labels.json
+HEAD_POLICY := $(MODEL_DIR)/head_policy.json
 PORT ?= 30000
 # Extra flags for `make serve`, e.g. SERVE_ARGS="--sparse-budget 512 --sparse-method quest".
 SERVE_ARGS ?=
@@ -11,7 +12,7 @@ PYTEST_ARGS ?=
 
 SETUP_STAMP := $(VENV)/.sglang_ext-setup
 
-.PHONY: setup model serve test test-gpu clean
+.PHONY: setup model head-policy serve test test-gpu clean
 
 setup: $(SETUP_STAMP) $(MODEL_DIR)/.complete $(LABELS)
 
@@ -30,6 +31,12 @@ $(MODEL_DIR)/.complete: $(SETUP_STAMP)
 
 $(LABELS): $(MODEL_DIR)/.complete
 	$(PY) -m sglang_ext.selection.calibrate --model-path $(MODEL_DIR) --out $@ --channels 32
+
+# Fluxion's per-head policy (streaming vs retrieval kv heads) for --sparse-head-policy.
+head-policy: $(HEAD_POLICY)
+
+$(HEAD_POLICY): $(MODEL_DIR)/.complete
+	$(PY) -m sglang_ext.selection.head_policy --model-path $(MODEL_DIR) --out $@
 
 # CPU when no GPU is visible, GPU otherwise.
 serve: setup

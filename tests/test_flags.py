@@ -33,6 +33,9 @@ from server_utils import LABELS, free_port, launch_command, server_env
         ({"tier": "sync", "tier_host_gb": 1e9}, "--sparse-tier-host-gb"),
         ({"tier_gpu_tokens": -16}, "--sparse-tier-gpu-tokens"),
         ({"dense_decode": "fp16"}, "--sparse-dense-decode"),
+        ({"scoring": "mass"}, "--sparse-scoring"),
+        ({"scoring": "output_aware", "method": "quest"}, "--sparse-scoring"),
+        ({"head_policy": "/nonexistent.json"}, "--sparse-head-policy"),
     ],
 )
 def test_invalid_values_name_the_flag(values, flag):
@@ -113,3 +116,19 @@ def test_label_config_for_another_model_is_rejected(tmp_path):
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("sglang_ext: --sparse-label-config") and "layers" in last, out.stderr[-2000:]
+
+
+@pytest.mark.server
+def test_head_policy_for_another_model_is_rejected(tmp_path):
+    import json
+
+    from sglang_ext.selection.head_policy import FORMAT
+
+    bad = tmp_path / "policy.json"  # SmolLM2 has 30 layers of 3 kv heads
+    bad.write_text(json.dumps({"format": FORMAT, "model": {"num_layers": 30, "num_kv_heads": 8},
+                               "streaming": [[False] * 8] * 30}))
+    out = _run_server(["--attention-backend", "sglang_ext", "--sparse-head-policy", str(bad)])
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("sglang_ext: --sparse-head-policy") and "kv heads" in last, \
+        out.stderr[-2000:]

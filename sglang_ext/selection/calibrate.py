@@ -197,6 +197,26 @@ def qk_channel_mass(q: Tensor, k: Tensor) -> Tensor:
     return (grouped * k.unsqueeze(2)).abs().sum(dim=(0, 2, 3), dtype=torch.float64)
 
 
+def run_windows(model: nn.Module, windows: list[Tensor], callback: QKCallback, *, desc: str,
+                progress: bool) -> None:
+    """Run the model over each token window (an independent sequence from position 0), calling
+    ``callback(layer, q, k)`` with every layer's post-RoPE q / k, with a progress bar."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(windows) * model_dims(model)["num_layers"], desc=desc, unit="layer",
+               disable=not progress)
+
+    def counted(layer: int, q: Tensor, k: Tensor) -> None:
+        callback(layer, q, k)
+        bar.update(1)
+
+    device = next(model.parameters()).device
+    with capture_post_rope_qk(model, counted):
+        for window in windows:
+            model(input_ids=window.unsqueeze(0).to(device), use_cache=False)
+    bar.close()
+
+
 @torch.inference_mode()
 def channel_importance(
     model: nn.Module, input_ids: Tensor, *, seq_len: int, progress: bool = True
@@ -207,23 +227,16 @@ def channel_importance(
     (each an independent sequence starting at position 0). Returns the importance and
     the number of positions it averages over.
     """
-    from tqdm import tqdm
 
     dims = model_dims(model)
     n_layers, hq, hkv, d = dims["num_layers"], dims["num_q_heads"], dims["num_kv_heads"], dims["head_dim"]
     total = torch.zeros(n_layers, hkv, d, dtype=torch.float64)
     windows = [input_ids[i : i + seq_len] for i in range(0, input_ids.numel(), seq_len)]
-    bar = tqdm(total=len(windows) * n_layers, desc="calibrate", unit="layer", disable=not progress)
 
     def accumulate(layer: int, q: Tensor, k: Tensor) -> None:
         total[layer] += qk_channel_mass(q, k)
-        bar.update(1)
 
-    device = next(model.parameters()).device
-    with capture_post_rope_qk(model, accumulate):
-        for window in windows:
-            model(input_ids=window.unsqueeze(0).to(device), use_cache=False)
-    bar.close()
+    run_windows(model, windows, accumulate, desc="calibrate", progress=progress)
     positions = input_ids.numel()
     # Each position contributes G = Hq/Hkv query heads per kv head.
     return total / (positions * (hq // hkv)), positions
@@ -306,6 +319,21 @@ def dumps_label_config(payload: dict[str, Any]) -> str:
     return head.replace(f'"{marker}"', "[\n" + rows + "\n  ]") + "\n"
 
 
+def read_versioned_json(path: str | os.PathLike[str], where: str, fmt: str) -> dict[str, Any]:
+    """The JSON object in ``path`` whose ``format`` is ``fmt``; ``ValueError`` (one line, starting
+    with ``where``) when it cannot be read, is not JSON or has another format."""
+    try:
+        payload = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"{where} cannot be read: {exc.strerror or exc}") from exc
+    except ValueError as exc:
+        raise ValueError(f"{where} is not valid JSON: {exc}") from exc
+    if not isinstance(payload, dict) or payload.get("format") != fmt:
+        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+        raise ValueError(f"{where} has format {found!r}, expected {fmt!r}")
+    return payload
+
+
 def load_label_config(path: str | os.PathLike[str], *, num_layers: int, num_kv_heads: int, head_dim: int) -> Tensor:
     """Read a label config and return its channels as a long tensor ``[L, Hkv, r]``.
 
@@ -313,15 +341,7 @@ def load_label_config(path: str | os.PathLike[str], *, num_layers: int, num_kv_h
     file is malformed or was calibrated for a different model shape.
     """
     where = f"label config {os.fspath(path)}"
-    try:
-        payload = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ValueError(f"{where} cannot be read: {exc.strerror or exc}") from exc
-    except ValueError as exc:
-        raise ValueError(f"{where} is not valid JSON: {exc}") from exc
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
-        raise ValueError(f"{where} has format {found!r}, expected {FORMAT!r}")
+    payload = read_versioned_json(path, where, FORMAT)
 
     model = payload.get("model")
     try:

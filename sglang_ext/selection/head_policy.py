@@ -31,10 +31,11 @@ import torch
 from torch import Tensor, nn
 
 from sglang_ext.selection.calibrate import (
-    capture_post_rope_qk,
     load_model,
     load_text,
     model_dims,
+    read_versioned_json,
+    run_windows,
 )
 
 FORMAT = "sglang_ext-head-policy-v1"
@@ -69,8 +70,6 @@ def sink_window_mass(q: Tensor, k: Tensor, sink: int, window: int) -> Tensor:
 def head_streaming_share(model: nn.Module, input_ids: Tensor, *, seq_len: int, sink: int,
                          window: int, progress: bool = True) -> Tensor:
     """Mean sink + window share of every (layer, kv head): float64 ``[L, Hkv]``."""
-    from tqdm import tqdm
-
     dims = model_dims(model)
     total = torch.zeros(dims["num_layers"], dims["num_kv_heads"], dtype=torch.float64)
     count = [0] * dims["num_layers"]
@@ -78,20 +77,13 @@ def head_streaming_share(model: nn.Module, input_ids: Tensor, *, seq_len: int, s
     windows = [w for w in windows if w.numel() > sink + window]
     if not windows:
         raise ValueError(f"calibration text shorter than sink + window ({sink + window} tokens)")
-    bar = tqdm(total=len(windows) * dims["num_layers"], desc="head policy", unit="layer",
-               disable=not progress)
 
     def accumulate(layer: int, q: Tensor, k: Tensor) -> None:
         mass, n = sink_window_mass(q, k, sink, window)
         total[layer] += mass
         count[layer] += n
-        bar.update(1)
 
-    device = next(model.parameters()).device
-    with capture_post_rope_qk(model, accumulate):
-        for w in windows:
-            model(input_ids=w.unsqueeze(0).to(device), use_cache=False)
-    bar.close()
+    run_windows(model, windows, accumulate, desc="head policy", progress=progress)
     return total / torch.tensor(count, dtype=torch.float64)[:, None]
 
 
@@ -121,15 +113,7 @@ def load_head_policy(path: str | os.PathLike[str], *, num_layers: int, num_kv_he
     """Bool ``[L, Hkv]`` (True: streaming) from a policy file; ``ValueError`` with a one-line
     message naming the file and the mismatch when it is malformed or for another model."""
     where = f"head policy {os.fspath(path)}"
-    try:
-        payload = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ValueError(f"{where} cannot be read: {exc.strerror or exc}") from exc
-    except ValueError as exc:
-        raise ValueError(f"{where} is not valid JSON: {exc}") from exc
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
-        raise ValueError(f"{where} has format {found!r}, expected {FORMAT!r}")
+    payload = read_versioned_json(path, where, FORMAT)
     model = payload.get("model") or {}
     got = (model.get("num_layers"), model.get("num_kv_heads"))
     if got != (num_layers, num_kv_heads):
