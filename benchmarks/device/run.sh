@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # One self-contained run on the GPU host (see ../shared/gpu/README.md): unpack the SGLang bundle,
 # install this repo, then the named steps. Results land in $OUT (or benchmarks/results).
-# Usage: bash benchmarks/device/run.sh COMMIT STEP...   steps: env gputests operator tier transfer server e2e
+# Usage: bash benchmarks/device/run.sh COMMIT STEP...
+#   steps: env gputests operator tier transfer server e2e soak tp2-greedy (tp2-greedy: on nvidia-h200-x2)
+# Wheels in .whl/ (carried, git-ignored; e.g. prometheus_client for --enable-metrics, which the
+# bundle lacks) are installed first.
 set -uo pipefail
 export SGLANG_EXT_COMMIT=${1:?commit}; shift
 OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python3 .gpu/unpack.py >/dev/null && export PYTHONPATH=/tmp/site:$PWD || exit 1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+fi
 python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . 2>&1 | tail -3
 status=0
 for step in "$@"; do
@@ -34,6 +40,28 @@ for step in "$@"; do
         --input-len "${E2E_INPUT:-32768}" --output-len "${E2E_OUTPUT:-512}" \
         --num-prompts "${E2E_PROMPTS:-16}" --concurrency "${E2E_PROMPTS:-16}" \
         --extra "--mem-fraction-static 0.75" || status=1 ;;
+    soak)
+      # >= 200 requests of 1k-128k tokens, ~10 % aborted, CPU tier on, metrics on; decisive dummy
+      # weights so that the reference subset's greedy comparison means something.
+      SGLANG_EXT_DUMMY_WEIGHTS=scaled SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 \
+      python3 benchmarks/soak.py --server-log "$OUT/soak_server.log" --out "$OUT/soak_h200.json" \
+        --requests "${SOAK_REQUESTS:-200}" --concurrency 12 --max-new-tokens 32 \
+        --lengths 1024 2048 4096 8192 16384 32768 131072 --time-limit "${SOAK_SECONDS:-420}" \
+        --launch "--model-path .gpu/models/qwen3-8b-shape --tokenizer-path .gpu/models/tokenizer \
+          --load-format dummy --sampling-backend pytorch --grammar-backend none \
+          --context-length 140000 --mem-fraction-static 0.8 --cuda-graph-backend-prefill disabled \
+          --cuda-graph-max-bs 16 --max-running-requests 16 --enable-metrics \
+          --attention-backend sglang_ext --sparse-budget 2048 --sparse-block-size 32 \
+          --sparse-tier async --sparse-tier-host-gb 64" || status=1 ;;
+    tp2-greedy)
+      # TP=2 (nvidia-h200-x2): greedy outputs of ours with every page on the host tier, budget >=
+      # context, against triton full attention at --tp 2.
+      SGLANG_EXT_DUMMY_WEIGHTS=scaled SGLANG_EXT_TIER_HOST_GB=96 SGLANG_EXT_TIER_GPU_TOKENS=16 \
+      python3 benchmarks/e2e_serving.py --out "$OUT" --model .gpu/models/qwen3-14b-shape \
+        --configs triton sglang_ext_tier --tp 2 --input-len 65536 --num-prompts 0 \
+        --greedy-check 8 --greedy-output-len 96 --results-name tp2_greedy_h200 \
+        --extra "--mem-fraction-static 0.8 --cuda-graph-max-bs 8 --max-running-requests 8" \
+        || status=1 ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
 done
