@@ -49,7 +49,7 @@ for step in "$@"; do
         --lengths 1024 2048 4096 8192 16384 32768 131072 --time-limit "${SOAK_SECONDS:-420}" \
         --launch "--model-path .gpu/models/qwen3-8b-shape --tokenizer-path .gpu/models/tokenizer \
           --load-format dummy --sampling-backend pytorch --grammar-backend none \
-          --context-length 140000 --mem-fraction-static 0.8 --cuda-graph-backend-prefill disabled \
+          --context-length 163840 --mem-fraction-static 0.8 --cuda-graph-backend-prefill disabled \
           --cuda-graph-max-bs 16 --max-running-requests 16 --enable-metrics \
           --attention-backend sglang_ext --sparse-budget 2048 --sparse-block-size 32 \
           --sparse-tier async --sparse-tier-host-gb 64" || status=1 ;;
