@@ -77,12 +77,13 @@ def test_short_context_is_dense():
 @pytest.mark.server
 def test_server_with_locality_finds_the_passkey():
     """A CPU server with k_e = 16 blocks of the 256-token budget query-agnostic: the passkey is
-    still found and the measured locality is logged."""
+    still found and the measured locality is logged and exported to Prometheus."""
+    import requests
     from server_utils import LABELS, Server
 
     server = Server([
         "--attention-backend", "sglang_ext", "--sparse-budget", "256", "--sparse-block-size", "4",
-        "--sparse-label-config", LABELS, "--sparse-locality-blocks", "16",
+        "--sparse-label-config", LABELS, "--sparse-locality-blocks", "16", "--enable-metrics",
     ]).start()
     try:
         filler = "The grass is green. The sky is blue. The sun is yellow. " * 120
@@ -94,6 +95,14 @@ def test_server_with_locality_finds_the_passkey():
         assert "sglang_ext locality: layer" in log, server.log_tail()
         gammas = [float(line.split("gamma mean ")[1].split()[0])
                   for line in log.splitlines() if "sglang_ext locality: layer" in line]
-        assert min(gammas) >= 16 / (4 + 17 + 16 + 176 - 64)  # NOSA's floor k_e / k
+        floor = 16 / (4 + 17 + 16 + 176 - 64)  # NOSA's floor k_e / k
+        assert min(gammas) >= floor
+        metrics = {}
+        for line in requests.get(server.url + "/metrics", timeout=30).text.splitlines():
+            if line.startswith("sglang_ext:locality_"):
+                name, _, value = line.rpartition(" ")
+                metrics[name.split("{")[0]] = float(value)
+        assert metrics.get("sglang_ext:locality_selections_total", 0) > 0, metrics
+        assert floor <= metrics["sglang_ext:locality_gamma_min"] <= metrics["sglang_ext:locality_gamma"] <= 1
     finally:
         server.stop()

@@ -154,6 +154,11 @@ class SparseDecodeBackend(AttentionBackend):
         self._tier_verify = self.tiered is not None and self.tiered.verify >= 2
         self._tier_steps = 0
         self._locality_steps = 0
+        self._locality_metrics = None
+        if config.locality_blocks > 0 and getattr(model_runner.server_args, "enable_metrics", False):
+            from sglang_ext.selection.locality import LocalityMetrics
+
+            self._locality_metrics = LocalityMetrics()
         self._tier_metrics = None
         if self.tiered is not None and getattr(model_runner.server_args, "enable_metrics", False):
             from sglang_ext.memory_tier.metrics import TierMetrics
@@ -735,6 +740,8 @@ class SparseDecodeBackend(AttentionBackend):
         if cfg.eviction_score == "attention":
             update_eviction_scores(state, q, keys, mask, layer.scaling, params.block_size)
         self._locality_steps += 1
+        if state.locality and self._locality_metrics is not None:
+            self._locality_metrics.observe(state.locality[-1])
         if state.locality and self._locality_steps % LOCALITY_LOG_EVERY == 0:
             recent = state.locality[-LOCALITY_LOG_EVERY:]
             logger.info("sglang_ext locality: layer %d gamma mean %.3f min %.3f (k_e=%d)",

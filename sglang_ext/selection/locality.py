@@ -174,3 +174,32 @@ def update_eviction_scores(
     state.grow(num_blocks)
     state.score[:, :num_blocks] = decay * state.score[:, :num_blocks] + mass
     state.score[:, num_blocks:] *= decay
+
+
+class LocalityMetrics:
+    """The locality constraint's γ in SGLang's Prometheus endpoint (``--enable-metrics``): the
+    mean and the minimum of γ(t) (the share of a step's attended blocks attended at the step
+    before) over the last ``every`` (request, layer) selections."""
+
+    PREFIX = "sglang_ext:locality_"
+
+    def __init__(self, every: int = 64) -> None:
+        from prometheus_client import Counter, Gauge
+
+        p = self.PREFIX
+        self.every = every
+        self._recent: list[float] = []
+        self.gamma = Gauge(p + "gamma", "Mean share of attended blocks kept from the step before "
+                           "(last selections)", multiprocess_mode="mostrecent")
+        self.gamma_min = Gauge(p + "gamma_min", "Smallest such share (last selections)",
+                               multiprocess_mode="mostrecent")
+        self.selections = Counter(p + "selections", "(request, layer) selections under the "
+                                  "locality constraint")
+
+    def observe(self, gamma: float) -> None:
+        self._recent.append(gamma)
+        if len(self._recent) >= self.every:
+            self.gamma.set(sum(self._recent) / len(self._recent))
+            self.gamma_min.set(min(self._recent))
+            self.selections.inc(len(self._recent))
+            self._recent.clear()
