@@ -101,16 +101,39 @@ def server_log_stats(log_text: str) -> dict[str, int]:
     errors = [line for line in log_text.splitlines()
               if "Traceback" in line or "memory leak" in line or "] Error:" in line]
     capacity = re.findall(r"max_total_num_tokens=(\d+)", log_text)
+    kv = re.findall(r"KV Cache is allocated\..*K size: ([\d.]+) GB, V size: ([\d.]+) GB", log_text)
+    host = re.findall(r"host store ([\d.]+) GB", log_text)
     tier = re.findall(r"sglang_ext tier stats: (\{.*\})", log_text)
     guard = re.findall(r"sglang_ext guard: (\d+) probes, (\d+) raised, (\d+) lowered", log_text)
     return {
         "max_total_num_tokens": int(capacity[-1]) if capacity else None,
+        # per rank: the device KV pool SGLang allocated and the pinned host store of the tier
+        "device_kv_gb": round(float(kv[0][0]) + float(kv[0][1]), 3) if kv else None,
+        "host_store_gb": float(host[0]) if host else None,
         "tier_stats": json.loads(tier[-1]) if tier else None,
         "guard_probes_raised_lowered": [int(x) for x in guard[-1]] if guard else None,
         "server_errors": len(errors),
         "server_prefill_tokens": sum(int(m) for m in re.findall(r"#new-token: (\d+)", log_text)),
         "server_decode_log_lines": log_text.count("Decode batch"),
     }
+
+
+def capacity_vs_limit(rows: list[dict[str, Any]], baseline: str = "flashinfer") -> None:
+    """For each tier row, beside the same run's full-attention row: the KV capacity it reached
+    relative to full attention's (``capacity_ratio``, logical tokens), the physical limit of that
+    ratio, (full attention's device KV bytes + the tier's pinned host bytes) / full attention's
+    device KV bytes (``capacity_limit``), and the share of the limit reached
+    (``capacity_vs_limit``). Everything comes from the servers' logs."""
+    base = next((r for r in rows if r["backend"] == baseline), None)
+    if base is None or not base.get("max_total_num_tokens") or not base.get("device_kv_gb"):
+        return
+    for r in rows:
+        if not r.get("host_store_gb") or not r.get("max_total_num_tokens"):
+            continue
+        ratio = r["max_total_num_tokens"] / base["max_total_num_tokens"]
+        limit = (base["device_kv_gb"] + r["host_store_gb"]) / base["device_kv_gb"]
+        r.update(capacity_ratio=round(ratio, 3), capacity_limit=round(limit, 3),
+                 capacity_vs_limit=round(ratio / limit, 3))
 
 
 def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
@@ -372,6 +395,7 @@ def main() -> int:
             **stats, **greedy,
         })
         print(json.dumps(rows[-1]), flush=True)
+    capacity_vs_limit(rows)
     base = next((r for r in rows if r["backend"] == "flashinfer"), None)
     for r in rows:
         r["speedup_vs_flashinfer"] = (r["output_tok_s"] / base["output_tok_s"]) if base and base["output_tok_s"] else None

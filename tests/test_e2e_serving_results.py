@@ -39,3 +39,27 @@ def test_merge_rows_keeps_other_runs_and_replaces_the_same_one(tmp_path: Path) -
     # rows from the old file carry the file's commit and model once merged
     assert merged[0]["commit"] == "old" and merged[0]["model"] == "m8" and merged[0]["tp"] == 1
     assert merge_rows(str(tmp_path / "missing.json"), new) == new
+
+
+FI_LOG = """[2026-11-29 21:23:36 TP0] KV Cache is allocated. dtype: torch.bfloat16, #tokens: 1265744, K size: 48.28 GB, V size: 48.28 GB
+[2026-11-29 21:25:24 TP0] max_total_num_tokens=1265744, chunked_prefill_size=8192
+"""
+TIER_LOG = """[2026-11-29 21:39:03 TP0] KV Cache is allocated. dtype: torch.bfloat16, #tokens: 131024, K size: 5.00 GB, V size: 5.00 GB
+[2026-11-29 21:39:36 TP0] sglang_ext CPU tier: GPU-homed 16 tokens, host-homed 585936 tokens, working area 131008 tokens (page 16); host store 48.00 GB (async mode)
+[2026-11-29 21:40:01 TP0] max_total_num_tokens=585952, chunked_prefill_size=8192
+"""
+
+
+def test_capacity_against_the_physical_limit_comes_from_the_logs() -> None:
+    from benchmarks.e2e_serving import capacity_vs_limit, server_log_stats
+
+    fi = {"backend": "flashinfer", **server_log_stats(FI_LOG)}
+    tier = {"backend": "sglang_ext_tier", **server_log_stats(TIER_LOG)}
+    assert fi["device_kv_gb"] == 96.56 and fi["host_store_gb"] is None
+    assert tier["host_store_gb"] == 48.0 and tier["max_total_num_tokens"] == 585952
+    rows = [fi, tier]
+    capacity_vs_limit(rows)
+    assert "capacity_ratio" not in fi
+    assert tier["capacity_ratio"] == round(585952 / 1265744, 3)
+    assert tier["capacity_limit"] == round((96.56 + 48.0) / 96.56, 3)
+    assert tier["capacity_vs_limit"] == round(tier["capacity_ratio"] / tier["capacity_limit"], 3)
