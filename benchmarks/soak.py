@@ -81,6 +81,22 @@ def corpus_lines() -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
+def parse_length(text: str) -> tuple[int, float]:
+    """``LEN`` or ``LEN:WEIGHT`` (``--lengths``)."""
+    length, _, weight = text.partition(":")
+    try:
+        n, w = int(length), float(weight) if weight else 1.0
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LEN or LEN:WEIGHT") from None
+    if n <= 0 or not w > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: length and weight must be > 0")
+    return n, w
+
+
+def draw_length(rng: random.Random, lengths: list[tuple[int, float]]) -> int:
+    return rng.choices([n for n, _ in lengths], weights=[w for _, w in lengths])[0]
+
+
 def make_prompt(lines: list[str], rng: random.Random, approx_tokens: int) -> str:
     """~``approx_tokens`` tokens (4 characters each, roughly) of consecutive docstring lines."""
     start = rng.randrange(0, len(lines) - 1)
@@ -240,8 +256,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--server-log", default=None, help="the server's log, read at the end")
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--concurrency", type=int, default=6)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[64, 400, 1200, 2400],
-                    help="approximate prompt lengths in tokens (drawn uniformly)")
+    ap.add_argument("--lengths", type=parse_length, nargs="+",
+                    default=[(64, 1.0), (400, 1.0), (1200, 1.0), (2400, 1.0)],
+                    help="approximate prompt lengths in tokens, each LEN or LEN:WEIGHT (drawn "
+                         "with these weights, 1 when not given): a few 128k prompts among many "
+                         "short ones keep a GPU soak inside its time box")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--abort-frac", type=float, default=0.1)
     ap.add_argument("--shared", type=float, default=0.2, help="share of shared-prefix requests")
@@ -298,7 +317,7 @@ def soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
     failures: list[str] = []
 
     # The reference prompts, alone on the idle server first.
-    ref_prompts = [make_prompt(lines, rng, rng.choice(args.lengths)) for _ in range(args.reference)]
+    ref_prompts = [make_prompt(lines, rng, draw_length(rng, args.lengths)) for _ in range(args.reference)]
     references = [reference_run(url, p, args.max_new_tokens) for p in ref_prompts]
 
     # The load: kinds drawn up front so the mix is reproducible.
@@ -320,7 +339,7 @@ def soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
         if kind == "shared":
             prompt = rng.choice(earlier) + f"\nAnd in one word, question {i}?"
         else:
-            prompt = make_prompt(lines, rng, rng.choice(args.lengths))
+            prompt = make_prompt(lines, rng, draw_length(rng, args.lengths))
             earlier.append(prompt)
         plan.append((kind, prompt))
     rng.shuffle(plan)
@@ -336,7 +355,8 @@ def soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
     deadline = time.time() + args.time_limit
     outcomes: list[Outcome] = []
     bar = tqdm(total=len(plan), desc="soak", unit="req", file=sys.stderr,
-               disable=not sys.stderr.isatty())
+               # a log file (the GPU runs) gets a line every 30 s instead of a live bar
+               mininterval=0.1 if sys.stderr.isatty() else 30.0)
     with ThreadPoolExecutor(args.concurrency) as pool:
         futures = []
         for i, (kind, prompt) in enumerate(plan):

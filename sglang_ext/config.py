@@ -299,12 +299,34 @@ def _validate(cfg: SparseConfig) -> None:
                 f"--sparse-tier needs a block-filtering --sparse-method ({', '.join(TIER_METHODS)}); "
                 f"{cfg.method} scores every token, which the host tier cannot serve (got {cfg.method!r})"
             )
+        dense_middle = dense_middle_blocks(cfg.budget, cfg.sink, cfg.window, cfg.block_size)
+        if cfg.method == "two_level" and cfg.effective_candidate_blocks < dense_middle:
+            # A context within the budget decodes densely: the working set (sized by the
+            # candidate blocks) must hold all its middle blocks at once.
+            raise ConfigError(
+                f"--sparse-candidate-blocks must be >= {dense_middle} with --sparse-tier (the "
+                f"middle blocks of a {cfg.budget}-token context, which decodes densely) "
+                f"(got {cfg.effective_candidate_blocks})"
+            )
         available = _available_host_gb()
         if available is not None and cfg.tier_host_gb > available:
             raise ConfigError(
                 f"--sparse-tier-host-gb {cfg.tier_host_gb:g} exceeds the {available:.1f} GB of "
                 f"host memory available"
             )
+
+
+def tier_ring_pages(window: int, block_size: int) -> int:
+    """Recent-window pages a tiered request keeps on the GPU (one more than the window spans:
+    the page being written)."""
+    return -(-window // block_size) + 1
+
+
+def dense_middle_blocks(budget: int, sink: int, window: int, block_size: int) -> int:
+    """Blocks between the sink and the recent-window ring of the longest context that still
+    decodes densely (``budget`` tokens): with the tier they must all be in the working set,
+    which holds a two_level request's candidate blocks (quest's selection is never smaller)."""
+    return -(-budget // block_size) - -(-sink // block_size) - tier_ring_pages(window, block_size)
 
 
 def _available_host_gb() -> Optional[float]:

@@ -32,6 +32,7 @@ from server_utils import LABELS, free_port, launch_command, server_env
         ({"tier_host_gb": -1}, "--sparse-tier-host-gb"),
         ({"tier": "sync", "tier_host_gb": 1e9}, "--sparse-tier-host-gb"),
         ({"tier_gpu_tokens": -16}, "--sparse-tier-gpu-tokens"),
+        ({"tier": "async", "candidate_blocks": 64}, "--sparse-candidate-blocks"),
         ({"dense_decode": "fp16"}, "--sparse-dense-decode"),
         ({"scoring": "mass"}, "--sparse-scoring"),
         ({"scoring": "output_aware", "method": "quest"}, "--sparse-scoring"),

@@ -46,6 +46,7 @@ from torch import Tensor
 
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
+from sglang_ext.config import tier_ring_pages
 from sglang_ext.memory_tier.host_store import HostKVStore
 from sglang_ext.memory_tier.working_set import WorkingSetTier
 
@@ -103,7 +104,7 @@ def plan_layout(
     slots (1 / page_size for bf16 min/max). ``gpu_tokens`` > 0 forces G (tests)."""
     ps = page_size
     sink_pages = -(-sink // ps)
-    ring_pages = -(-window // ps) + 1
+    ring_pages = tier_ring_pages(window, ps)
     per_request = (sink_pages + ring_pages + num_slots) * ps
     # Staging holds the chunked request's whole prompt plus one prefill batch of others.
     staging = -(-max_prefill_tokens // ps) * ps + max_running_requests * ps
@@ -391,9 +392,15 @@ class TieredKVPool(MHATokenToKVPool):
             copy_dst.append(dst)
             blocks.append(j)
             pages.append(dst)
-        # The working set starts with the middle blocks nearest the window, copied from their
-        # staging pages (no host transfer): all of them when they fit, which makes the first
-        # step exact at a budget >= the context under either schedule.
+        # A prompt that ends on a page boundary has its first decode token open a new block,
+        # whose ring page is the oldest ring block's: that block leaves the ring before the
+        # first step, which under async has no previous selection to have given it a slot.
+        leaving = nblocks - lay.ring_pages
+        if prompt_len % ps == 0 and leaving >= n_sink and lps and lps[leaving] >= gp:
+            middle.append(leaving)
+        # The working set starts with the middle blocks nearest the window (and the one leaving
+        # the ring), copied from their staging pages (no host transfer): all of them when they
+        # fit, which makes the first step exact at a budget >= the context under either schedule.
         preload = middle[-lay.num_slots:] if lay.num_slots else []
         copy_src += [self._staged[lps[j]][0] for j in preload]
         copy_dst += state.slots[:len(preload)]
