@@ -2,7 +2,7 @@
 # One self-contained run on the GPU host (see ../shared/gpu/README.md): unpack the SGLang bundle,
 # install this repo, then the named steps. Results land in $OUT (or benchmarks/results).
 # Usage: bash benchmarks/device/run.sh COMMIT STEP...
-#   steps: env gputests operator tier transfer server e2e soak tp2-greedy (tp2-greedy: on nvidia-h200-x2)
+#   steps: env gputests operator tier fluxion transfer server e2e soak tp2-greedy (tp2-greedy: on nvidia-h200-x2)
 # Wheels in .whl/ (carried, git-ignored; e.g. prometheus_client for --enable-metrics, which the
 # bundle lacks) are installed first.
 set -uo pipefail
@@ -28,6 +28,8 @@ for step in "$@"; do
       python3 benchmarks/bench_operator.py --check --out "$OUT" ${OPERATOR_ARGS:-} || status=1 ;;
     tier)
       python3 benchmarks/bench_tier.py --check --out "$OUT" ${TIER_ARGS:-} || status=1 ;;
+    fluxion)
+      python3 benchmarks/bench_fluxion.py --check --out "$OUT" ${FLUXION_ARGS:-} || status=1 ;;
     transfer)
       python3 benchmarks/bench_transfer.py --out "$OUT" ${TRANSFER_ARGS:-} || status=1 ;;
     server)

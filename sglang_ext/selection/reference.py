@@ -296,12 +296,14 @@ def merge_attention_states(
     """Exact merge of two partial attentions over disjoint position sets.
 
     Each part is re-weighted by its share of the total softmax mass ``exp(lse_i - lse)``.
-    Returns the output in ``o1``'s dtype and the float32 LSE of the union.
+    ``o`` ``[..., Dv]`` with ``lse`` ``[...]`` (any leading dims). Returns the output in
+    ``o1``'s dtype and the float32 LSE of the union; an empty part (LSE ``-inf``) contributes
+    nothing, two give output 0 and LSE ``-inf``.
     """
     lse = torch.logaddexp(lse1.float(), lse2.float())
     ref = _zero_if_neg_inf(lse)
-    w1 = torch.exp(lse1.float() - ref)[:, None]
-    w2 = torch.exp(lse2.float() - ref)[:, None]
+    w1 = torch.exp(lse1.float() - ref)[..., None]
+    w2 = torch.exp(lse2.float() - ref)[..., None]
     return (w1 * o1.float() + w2 * o2.float()).to(o1.dtype), lse
 
 

@@ -1,0 +1,264 @@
+"""Fluxion's CPU-GPU cooperative attention for the CPU KV tier (reference engine, plain torch).
+
+A decode step's selection ``C_t`` is split per (request, kv head) into the blocks already in the
+GPU working set and the misses that are still only in host memory. Without cooperation the
+misses are gathered to the GPU before attention (``sync``), or attention uses the previous
+step's choice while they are fetched (``async``, AsyncTLS). With cooperation the GPU attends the
+resident blocks while CPU threads attend the misses straight from host memory; the two partial
+results are merged exactly with their log-sum-exps (``merge_attention_states``), so the step attends
+exactly ``C_t`` without waiting for a transfer.
+
+:class:`PriorityScheduler` decides, per step, which misses the CPU takes: it hands the GPU its
+work largest first and gives the CPU the smallest miss sets, only as many as its threads can
+finish before the GPU's estimated finish (the CPU stays off the critical path); the rest are
+fetched. Costs are per attended token, measured on the machine (``benchmarks/bench_fluxion.py``).
+
+Shapes: ``q`` ``[B, Hq, D]``; host K/V per layer ``[Hkv, N, D]`` (:class:`HostKVStore`, block
+``p`` of head ``h`` is ``[h, p*page_size:(p+1)*page_size]``); block lists ``[B, Hkv, M]`` int,
+``-1`` padding. Partial results: ``out`` ``[B, Hq, Dv]`` float32 and ``lse`` ``[B, Hq]`` float32
+(natural log; ``-inf`` where a partial attended nothing).
+"""
+
+from __future__ import annotations
+
+import heapq
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from sglang_ext.selection.reference import _zero_if_neg_inf, merge_attention_states
+
+
+def block_token_index(blocks: Tensor, page_size: int) -> tuple[Tensor, Tensor]:
+    """``[B, Hkv, M]`` block ids (``-1`` padding) -> token slots ``[B, Hkv, M*page_size]`` and
+    their validity mask."""
+    offs = torch.arange(page_size, device=blocks.device)
+    tok = (blocks.long().clamp(min=0)[..., None] * page_size + offs).flatten(-2)
+    valid = (blocks >= 0)[..., None].expand(*blocks.shape, page_size).flatten(-2)
+    return tok, valid
+
+
+def attend_blocks(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, page_size: int,
+                  scaling: float) -> tuple[Tensor, Tensor]:
+    """Partial attention of ``q`` over the tokens of ``blocks`` of a head-major K/V
+    (``[Hkv, N, D]``, host or device), in float32: ``(out [B, Hq, Dv], lse [B, Hq])``. Grouped
+    query heads share their kv head's blocks. Vectorised over the batch and heads (one gather,
+    two batched GEMMs), which is what a CPU thread runs on the host copy."""
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[0]
+    group = num_q_heads // num_kv_heads
+    tok, valid = block_token_index(blocks.to(k.device), page_size)  # [B, Hkv, T]
+    heads = torch.arange(num_kv_heads, device=k.device)[None, :, None]
+    keys = k[heads, tok].float()  # [B, Hkv, T, D]
+    values = v[heads, tok].float()
+    qg = q.to(k.device).float().view(batch, num_kv_heads, group, head_dim)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)) * scaling  # [B, Hkv, G, T]
+    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # -inf where nothing is valid
+    probs = torch.exp(scores - _zero_if_neg_inf(lse)[..., None])
+    out = torch.matmul(probs, values)  # [B, Hkv, G, Dv]
+    return out.reshape(batch, num_q_heads, -1), lse.reshape(batch, num_q_heads)
+
+
+# --------------------------------------------------------------------------------------------
+# The priority scheduler
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per attended token on each side, and per block moved host -> GPU (measured by
+    ``benchmarks/bench_fluxion.py``; the defaults are only a starting point for planning)."""
+
+    gpu_s_per_token: float = 2e-9
+    cpu_s_per_token: float = 2e-7  # per CPU thread
+    fetch_s_per_block: float = 1e-7
+    cpu_fixed_s: float = 2e-5  # per CPU task: hand-off, q copy, result copy back
+
+
+@dataclass
+class CooperativePlan:
+    """Per (request, kv head) item: ``gpu_order`` lists the items largest GPU work first;
+    ``cpu_items[t]`` the items CPU thread ``t`` attends (their misses); ``fetched`` the items
+    whose misses go to the GPU instead. ``est_gpu_s`` / ``est_cpu_s``: the model's finish times."""
+
+    gpu_order: list[int]
+    cpu_items: list[list[int]]
+    fetched: list[int]
+    est_gpu_s: float
+    est_cpu_s: float
+    cpu_mask: Tensor = field(default=None)  # [items] bool: misses attended by the CPU
+
+
+class PriorityScheduler:
+    """Assigns each step's misses to the CPU or to a fetch, keeping the CPU off the critical path.
+
+    Items are (request, kv head) pairs with ``resident`` tokens on the GPU and ``missing`` tokens
+    on the host. The GPU's work (its resident tokens, plus the tokens of every fetched miss set
+    and their transfer) runs largest item first, so the tail of the GPU's queue is short items.
+    Miss sets are offered to the CPU smallest first (they finish soonest and free the GPU of
+    the fetch's fixed cost); each goes to the least-loaded CPU thread if that thread still
+    finishes before the GPU's estimate with that item removed from the GPU, otherwise it and
+    every larger one is fetched."""
+
+    def __init__(self, cost: CostModel, cpu_threads: int) -> None:
+        if cpu_threads < 0:
+            raise ValueError(f"cpu_threads must be >= 0 (got {cpu_threads})")
+        self.cost = cost
+        self.cpu_threads = cpu_threads
+
+    def plan(self, resident: Tensor, missing: Tensor, page_size: int) -> CooperativePlan:
+        """``resident``/``missing``: tokens per item (1-D, equal length)."""
+        c = self.cost
+        res = resident.tolist()
+        miss = missing.tolist()
+        n = len(res)
+
+        def gpu_cost_of_miss(m: int) -> float:
+            return m * c.gpu_s_per_token + (-(-m // page_size)) * c.fetch_s_per_block
+
+        gpu_total = sum(r * c.gpu_s_per_token for r in res) + sum(gpu_cost_of_miss(m) for m in miss)
+        threads = [(0.0, t) for t in range(self.cpu_threads)]
+        heapq.heapify(threads)
+        cpu_items: list[list[int]] = [[] for _ in range(self.cpu_threads)]
+        on_cpu = [False] * n
+        for i in sorted((i for i in range(n) if miss[i] > 0), key=lambda i: (miss[i], i)):
+            if not threads:
+                break
+            load, t = threads[0]
+            cpu_time = load + c.cpu_fixed_s + miss[i] * c.cpu_s_per_token
+            gpu_after = gpu_total - gpu_cost_of_miss(miss[i])
+            if cpu_time > gpu_after:
+                break  # larger ones would take longer still
+            heapq.heapreplace(threads, (cpu_time, t))
+            cpu_items[t].append(i)
+            on_cpu[i] = True
+            gpu_total = gpu_after
+        gpu_work = [res[i] + (0 if on_cpu[i] else miss[i]) for i in range(n)]
+        order = sorted(range(n), key=lambda i: (-gpu_work[i], i))
+        est_cpu = max((load for load, _ in threads), default=0.0)
+        return CooperativePlan(
+            gpu_order=order, cpu_items=cpu_items,
+            fetched=[i for i in range(n) if miss[i] > 0 and not on_cpu[i]],
+            est_gpu_s=gpu_total, est_cpu_s=est_cpu,
+            cpu_mask=torch.tensor(on_cpu, dtype=torch.bool),
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# The CPU side
+# --------------------------------------------------------------------------------------------
+
+
+class HostAttentionWorkers:
+    """CPU threads that attend miss sets from host memory while the GPU runs.
+
+    :meth:`submit` takes the step's query (already on the host), the host K/V of the layer and
+    the miss blocks per (request, kv head), with the plan's per-thread item lists; it returns a
+    future of ``(out, lse)`` for the whole batch (items not given to the CPU: ``lse = -inf``),
+    ready for ``merge_attention_states`` with the GPU's partial. torch releases the GIL inside its
+    kernels, so the threads run in parallel; each uses one intra-op thread."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = max(threads, 0)
+        self._pool = ThreadPoolExecutor(max_workers=max(self.threads, 1),
+                                        thread_name_prefix="sglang_ext-coop")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def submit(self, q: Tensor, host_k: Tensor, host_v: Tensor, miss_blocks: Tensor,
+               plan: CooperativePlan, page_size: int, scaling: float) -> Future:
+        batch, num_q_heads, _ = q.shape
+        num_kv_heads = host_k.shape[0]
+        group = num_q_heads // num_kv_heads
+        out = torch.zeros(batch, num_q_heads, host_v.shape[-1], dtype=torch.float32)
+        lse = torch.full((batch, num_q_heads), float("-inf"), dtype=torch.float32)
+
+        def run(items: list[int]) -> None:
+            if not items:
+                return
+            torch.set_num_threads(1)
+            for i in items:
+                b, h = divmod(i, num_kv_heads)
+                blocks = torch.full((1, num_kv_heads, miss_blocks.shape[-1]), -1,
+                                    dtype=miss_blocks.dtype)
+                blocks[0, h] = miss_blocks[b, h]
+                o, s = attend_blocks(q[b:b + 1], host_k, host_v, blocks, page_size, scaling)
+                heads = slice(h * group, (h + 1) * group)
+                out[b, heads] = o[0, heads]
+                lse[b, heads] = s[0, heads]
+
+        if not any(plan.cpu_items):
+            done: Future = Future()
+            done.set_result((out, lse))
+            return done
+        # One coordinating call; the per-thread work fans out from it.
+        return _Fanout(self._pool, [lambda items=items: run(items) for items in plan.cpu_items
+                                    if items], (out, lse))
+
+
+class _Fanout(Future):
+    """A future that completes when every per-thread task is done (no extra thread waiting)."""
+
+    def __init__(self, pool: ThreadPoolExecutor, tasks: list, result: tuple[Tensor, Tensor]):
+        super().__init__()
+        self._pending = len(tasks)
+        self._value = result
+        self._errors: list[BaseException] = []
+        for task in tasks:
+            pool.submit(task).add_done_callback(self._one_done)
+
+    def _one_done(self, f: Future) -> None:
+        if f.exception() is not None:
+            self._errors.append(f.exception())
+        self._pending -= 1
+        if self._pending == 0:
+            if self._errors:
+                self.set_exception(self._errors[0])
+            else:
+                self.set_result(self._value)
+
+
+def split_selection(selected: Tensor, resident: Tensor) -> tuple[Tensor, Tensor]:
+    """``selected`` ``[B, Hkv, K]`` blocks (``-1`` padding) and a ``[B, Hkv, N]`` bool of the
+    blocks resident on the GPU -> (resident part, miss part), each ``[B, Hkv, K]`` with ``-1``
+    where the block belongs to the other part."""
+    valid = selected >= 0
+    here = valid & torch.gather(resident, 2, selected.long().clamp(min=0))
+    none = torch.full_like(selected, -1)
+    return torch.where(here, selected, none), torch.where(valid & ~here, selected, none)
+
+
+def cooperative_attention(q: Tensor, dev_k: Tensor, dev_v: Tensor, dev_pages: Tensor,
+                          host_k: Tensor, host_v: Tensor, selected: Tensor, resident: Tensor,
+                          page_size: int, scaling: float, scheduler: PriorityScheduler,
+                          workers: HostAttentionWorkers, fetch: Optional[Callable] = None,
+                          ) -> tuple[Tensor, Tensor, CooperativePlan]:
+    """One layer's attention over exactly ``selected``: the GPU part over resident blocks (read
+    through ``dev_pages`` ``[B, Hkv, N]``: block -> device page, for ``dev_k``/``dev_v``
+    ``[Hkv, P, D]``), the CPU part over the planned misses from host memory, the rest fetched by
+    ``fetch(miss_blocks, mask)`` (which must make them resident and map them in ``dev_pages``)
+    before the GPU attends them. Returns ``(out, lse, plan)``."""
+    res_part, miss_part = split_selection(selected, resident)
+    per_item = (res_part >= 0).sum(-1).flatten() * page_size
+    miss_tokens = (miss_part >= 0).sum(-1).flatten() * page_size
+    plan = scheduler.plan(per_item.cpu(), miss_tokens.cpu(), page_size)
+    cpu_mask = plan.cpu_mask.to(selected.device).view(selected.shape[:2])
+    cpu_blocks = torch.where(cpu_mask[..., None], miss_part, torch.full_like(miss_part, -1))
+    gpu_misses = torch.where(cpu_mask[..., None], torch.full_like(miss_part, -1), miss_part)
+    # The CPU starts first (it needs q and its block lists on the host), then the GPU runs.
+    future = workers.submit(q.cpu(), host_k, host_v, cpu_blocks.cpu(), plan, page_size, scaling)
+    if fetch is not None and bool((gpu_misses >= 0).any()):
+        fetch(gpu_misses)
+    gpu_blocks = torch.where(gpu_misses >= 0, gpu_misses, res_part)
+    pages = torch.gather(dev_pages, 2, gpu_blocks.long().clamp(min=0))
+    pages = torch.where(gpu_blocks >= 0, pages, torch.full_like(pages, -1))
+    gpu_out, gpu_lse = attend_blocks(q, dev_k, dev_v, pages, page_size, scaling)
+    cpu_out, cpu_lse = future.result()
+    out, lse = merge_attention_states(gpu_out, gpu_lse, cpu_out.to(gpu_out.device),
+                                      cpu_lse.to(gpu_lse.device))
+    return out, lse, plan

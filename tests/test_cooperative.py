@@ -1,0 +1,186 @@
+"""Fluxion's cooperative attention (sglang_ext/memory_tier/cooperative.py): the log-sum-exp merge
+is exact, the priority scheduler keeps the CPU off the critical path, and a layer attended by
+GPU + CPU threads equals attention over the whole selection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_ext.memory_tier.cooperative import (
+    CostModel,
+    HostAttentionWorkers,
+    PriorityScheduler,
+    attend_blocks,
+    cooperative_attention,
+        split_selection,
+)
+from sglang_ext.selection.reference import merge_attention_states
+
+B, HKV, G, D, PS, BLOCKS = 3, 2, 3, 16, 4, 24
+SCALING = D ** -0.5
+
+
+def naive_attention(q, k, v, blocks):
+    """Per (request, q head): softmax over the listed blocks' tokens, float64."""
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64)
+    for b in range(q.shape[0]):
+        for hq in range(q.shape[1]):
+            h = hq // G
+            ids = [int(x) for x in blocks[b, h] if x >= 0]
+            tok = torch.tensor([p * PS + o for p in ids for o in range(PS)], dtype=torch.long)
+            s = (k[h, tok].double() @ q[b, hq].double()) * SCALING
+            out[b, hq] = torch.softmax(s, 0) @ v[h, tok].double()
+    return out
+
+
+@pytest.fixture
+def kv():
+    gen = torch.Generator().manual_seed(7)
+    k = torch.randn(HKV, BLOCKS * PS, D, generator=gen)
+    v = torch.randn(HKV, BLOCKS * PS, D, generator=gen)
+    q = torch.randn(B, HKV * G, D, generator=gen) * 2
+    return q, k, v, gen
+
+
+def random_selection(gen, k=8):
+    return torch.stack([torch.stack([torch.randperm(BLOCKS, generator=gen)[:k]
+                                     for _ in range(HKV)]) for _ in range(B)])
+
+
+def test_merge_of_disjoint_parts_equals_attention_over_the_union(kv):
+    q, k, v, gen = kv
+    selected = random_selection(gen)
+    resident = torch.rand(B, HKV, BLOCKS, generator=gen) < 0.5
+    part_a, part_b = split_selection(selected, resident)
+    assert bool(((part_a >= 0) ^ (part_b >= 0)).all())  # every selected block in one part
+    out_a, lse_a = attend_blocks(q, k, v, part_a, PS, SCALING)
+    out_b, lse_b = attend_blocks(q, k, v, part_b, PS, SCALING)
+    out, lse = merge_attention_states(out_a, lse_a, out_b, lse_b)
+    whole, whole_lse = attend_blocks(q, k, v, selected, PS, SCALING)
+    torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, whole_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), naive_attention(q, k, v, selected), rtol=1e-4, atol=1e-5)
+
+
+def test_merge_with_an_empty_side(kv):
+    q, k, v, gen = kv
+    selected = random_selection(gen)
+    out, lse = attend_blocks(q, k, v, selected, PS, SCALING)
+    empty_out, empty_lse = attend_blocks(q, k, v, torch.full_like(selected, -1), PS, SCALING)
+    assert bool(torch.isneginf(empty_lse).all()) and bool((empty_out == 0).all())
+    m_out, m_lse = merge_attention_states(out, lse, empty_out, empty_lse)
+    assert torch.equal(m_out, out) and torch.equal(m_lse, lse)
+    m_out, m_lse = merge_attention_states(empty_out, empty_lse, out, lse)
+    assert torch.equal(m_out, out) and torch.equal(m_lse, lse)
+    z_out, z_lse = merge_attention_states(empty_out, empty_lse, empty_out, empty_lse)
+    assert bool((z_out == 0).all()) and bool(torch.isneginf(z_lse).all())
+
+
+def check_plan(plan, resident, missing, cost, page_size):
+    n = len(resident)
+    on_cpu = [i for items in plan.cpu_items for i in items]
+    assert len(on_cpu) == len(set(on_cpu))
+    assert sorted(on_cpu + plan.fetched) == [i for i in range(n) if missing[i] > 0]
+    assert sorted(plan.gpu_order) == list(range(n))
+    gpu_work = [resident[i] + (0 if i in on_cpu else missing[i]) for i in range(n)]
+    ordered = [gpu_work[i] for i in plan.gpu_order]
+    assert ordered == sorted(ordered, reverse=True)  # the largest GPU work first
+    assert plan.est_cpu_s <= plan.est_gpu_s + 1e-12  # the CPU is off the critical path
+    for items in plan.cpu_items:
+        busy = sum(cost.cpu_fixed_s + missing[i] * cost.cpu_s_per_token for i in items)
+        assert busy <= plan.est_gpu_s + 1e-12
+    return on_cpu
+
+
+def test_scheduler_keeps_cpu_work_off_the_critical_path():
+    gen = torch.Generator().manual_seed(3)
+    resident = torch.randint(0, 4096, (64,), generator=gen)
+    missing = torch.randint(0, 512, (64,), generator=gen) * (torch.rand(64, generator=gen) < 0.7)
+    cost = CostModel(gpu_s_per_token=1e-8, cpu_s_per_token=1e-6, fetch_s_per_block=2e-7,
+                     cpu_fixed_s=1e-6)
+    plan = PriorityScheduler(cost, cpu_threads=4).plan(resident, missing, 16)
+    on_cpu = check_plan(plan, resident.tolist(), missing.tolist(), cost, 16)
+    assert on_cpu and plan.fetched  # this load splits: the CPU takes some, not all
+    # smallest miss sets first: everything on the CPU is no larger than anything fetched
+    assert max(int(missing[i]) for i in on_cpu) <= min(int(missing[i]) for i in plan.fetched)
+
+
+def test_scheduler_without_cpu_threads_or_with_a_slow_cpu_fetches_everything():
+    resident = torch.tensor([100, 2000, 0, 50])
+    missing = torch.tensor([64, 0, 128, 16])
+    for threads, cost in ((0, CostModel()), (4, CostModel(cpu_s_per_token=1.0))):
+        plan = PriorityScheduler(cost, threads).plan(resident, missing, 16)
+        check_plan(plan, resident.tolist(), missing.tolist(), cost, 16)
+        assert plan.fetched == [0, 2, 3] and not any(plan.cpu_items)
+    with pytest.raises(ValueError):
+        PriorityScheduler(CostModel(), -1)
+
+
+@pytest.mark.parametrize("cpu_cost", [1e-9, 2e-7, 1.0])  # CPU takes all, some, none
+def test_cooperative_layer_equals_attention_over_the_selection(kv, cpu_cost):
+    q, host_k, host_v, gen = kv
+    selected = random_selection(gen, k=10)
+    resident = torch.rand(B, HKV, BLOCKS, generator=gen) < 0.5
+    # The device pool: resident blocks at scattered device pages; misses get pages when fetched.
+    pages = B * HKV * BLOCKS
+    dev_k = torch.zeros(HKV, pages * PS, D)
+    dev_v = torch.zeros(HKV, pages * PS, D)
+    dev_pages = torch.full((B, HKV, BLOCKS), -1, dtype=torch.long)
+    free = iter(torch.randperm(pages, generator=gen).tolist())
+
+    def place(b, h, blk):
+        p = next(free)
+        dev_pages[b, h, blk] = p
+        dev_k[h, p * PS:(p + 1) * PS] = host_k[h, blk * PS:(blk + 1) * PS]
+        dev_v[h, p * PS:(p + 1) * PS] = host_v[h, blk * PS:(blk + 1) * PS]
+
+    for b, h, blk in resident.nonzero().tolist():
+        place(b, h, blk)
+    fetched_blocks = []
+
+    def fetch(misses):
+        for b, h, j in (misses >= 0).nonzero().tolist():
+            fetched_blocks.append(int(misses[b, h, j]))
+            place(b, h, int(misses[b, h, j]))
+
+    cost = CostModel(gpu_s_per_token=1e-8, cpu_s_per_token=cpu_cost, fetch_s_per_block=1e-7,
+                     cpu_fixed_s=0.0)
+    workers = HostAttentionWorkers(2)
+    try:
+        out, lse, plan = cooperative_attention(
+            q, dev_k, dev_v, dev_pages, host_k, host_v, selected, resident, PS, SCALING,
+            PriorityScheduler(cost, 2), workers, fetch=fetch)
+    finally:
+        workers.close()
+    want, want_lse = attend_blocks(q, host_k, host_v, selected, PS, SCALING)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    _, misses = split_selection(selected, resident)
+    n_miss = int((misses >= 0).sum())
+    on_cpu = sum(1 for items in plan.cpu_items for _ in items)
+    if cpu_cost == 1.0:
+        assert on_cpu == 0 and len(fetched_blocks) == n_miss
+    elif cpu_cost == 1e-9:
+        assert not fetched_blocks and on_cpu == int(((misses >= 0).sum(-1) > 0).sum())
+    else:
+        assert 0 < len(fetched_blocks) < n_miss
+
+
+def test_fluxion_benchmark_smoke_run(tmp_path):
+    """benchmarks/bench_fluxion.py end to end at toy sizes on the CPU: its --check (cooperative
+    output == plain output) passes and both configurations are written (times mean nothing)."""
+    import json
+
+    from benchmarks import bench_fluxion
+
+    rc = bench_fluxion.main(["--device", "cpu", "--contexts", "1024", "--batch", "2",
+                             "--layers", "2", "--budget", "256", "--steps", "2",
+                             "--cpu-threads", "2", "--check", "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "fluxion_h200.json").read_text())
+    assert [r["cooperative"] for r in data["rows"]] == ["off", "on"]
+    on = data["rows"][1]
+    assert on["cpu_blocks_per_step"] + on["fetched_blocks_per_step"] == \
+        data["rows"][0]["fetched_blocks_per_step"]  # the same misses, split between CPU and fetch
+    assert (tmp_path / "fluxion_h200.png").exists()
