@@ -65,7 +65,12 @@ from sglang_ext.selection.calibrate import (
     model_dims,
 )
 from sglang_ext.selection.eviction_head import EvictionHeads, save_eviction_heads
-from sglang_ext.selection.locality import LocalityState, select_token_mask_locality, two_stage_pool
+from sglang_ext.selection.locality import (
+    LocalityState,
+    select_token_mask_locality,
+    two_stage_pool,
+    update_eviction_scores,
+)
 from sglang_ext.selection.reference import SelectionParams
 
 
@@ -194,31 +199,38 @@ def position_loss(heads: EvictionHeads, layer: int, qkv: LayerQKV, t: int, cfg: 
 
 @torch.no_grad()
 def evaluate(heads: EvictionHeads, data: list[list[LayerQKV]], cfg: TrainConfig, *,
-             channels: Tensor | None = None, positions: int = 16) -> dict[str, float]:
-    """Hard-selection loss (relative squared error of the attention output vs dense, as in
-    training) on ``data`` (held-out windows) at evenly spaced positions of each window's second
-    half: two_level alone (k_e = 0), locality with the training-free ``key_norm`` score, and
-    locality with the trained heads, all at the same budget."""
+             channels: Tensor | None = None, steps: int = 32) -> dict[str, float]:
+    """Hard-selection error (relative squared error of the attention output vs dense, as in
+    training) on ``data`` (held-out windows), decoding the last ``steps`` positions of each
+    window one step at a time as the server does (the query-agnostic state carried from step to
+    step): two_level alone (k_e = 0), and the locality constraint at the same budget with the
+    training-free ``attention`` (decayed attention mass) and ``key_norm`` scores and with the
+    trained heads."""
     params = cfg.params()
     length = data[0][0].k.shape[0]
-    lo = max(length // 2, cfg.budget + 1)
-    ts = torch.linspace(lo, length - 1, positions).round().long().unique().tolist()
-    sums = {"two_level": 0.0, "locality_key_norm": 0.0, "locality_learned": 0.0}
+    first = max(length - steps, cfg.budget + 1)
+    kinds = (("two_level", 0, "attention"),
+             ("locality_attention", cfg.locality_blocks, "attention"),
+             ("locality_key_norm", cfg.locality_blocks, "key_norm"),
+             ("locality_learned", cfg.locality_blocks, "learned"))
+    sums = {name: 0.0 for name, _, _ in kinds}
     n = 0
     for window in data:
         for layer, qkv in enumerate(window):
             ch = None if channels is None else channels[layer]
             head = _Fixed(heads.token_scores(layer, qkv.v))
-            for t in ts:
+            states = {name: LocalityState(qkv.k.shape[1]) for name, _, _ in kinds}
+            for t in range(first, length):
                 q, keys, values = qkv.q[:, t], qkv.k[:t + 1], qkv.v[:t + 1]
                 scale = q.shape[-1] ** -0.5
                 dense = _attend(q, keys, values, None, scale)
                 norm = dense.pow(2).sum(dim=1).clamp_min(1e-12)
-                for name, k_e, kind in (("two_level", 0, "attention"),
-                                        ("locality_key_norm", cfg.locality_blocks, "key_norm"),
-                                        ("locality_learned", cfg.locality_blocks, "learned")):
-                    mask = select_token_mask_locality(
-                        q, keys, params, LocalityState(keys.shape[1]), k_e, ch, kind, values, head)
+                for name, k_e, kind in kinds:
+                    mask = select_token_mask_locality(q, keys, params, states[name], k_e, ch,
+                                                      kind, values, head)
+                    if kind == "attention" and k_e:
+                        update_eviction_scores(states[name], q, keys, mask, scale,
+                                               params.block_size)
                     out = _attend(q, keys, values, mask.float(), scale)
                     sums[name] += float(((out - dense).pow(2).sum(dim=1) / norm).mean())
                 n += 1
