@@ -199,13 +199,14 @@ def position_loss(heads: EvictionHeads, layer: int, qkv: LayerQKV, t: int, cfg: 
 
 @torch.no_grad()
 def evaluate(heads: EvictionHeads, data: list[list[LayerQKV]], cfg: TrainConfig, *,
-             channels: Tensor | None = None, steps: int = 32) -> dict[str, float]:
-    """Hard-selection error (relative squared error of the attention output vs dense, as in
+             channels: Tensor | None = None, steps: int = 32) -> dict[str, dict[str, float]]:
+    """Per selection, ``error``: the hard-selection error (relative squared error of the attention output vs dense, as in
     training) on ``data`` (held-out windows), decoding the last ``steps`` positions of each
     window one step at a time as the server does (the query-agnostic state carried from step to
     step): two_level alone (k_e = 0), and the locality constraint at the same budget with the
     training-free ``attention`` (decayed attention mass) and ``key_norm`` scores and with the
-    trained heads."""
+    trained heads; ``gamma`` / ``gamma_min``: the mean / smallest locality γ(t) (share of a
+    step's attended blocks attended at the step before, mean over kv heads) over those steps."""
     params = cfg.params()
     length = data[0][0].k.shape[0]
     first = max(length - steps, cfg.budget + 1)
@@ -214,6 +215,7 @@ def evaluate(heads: EvictionHeads, data: list[list[LayerQKV]], cfg: TrainConfig,
              ("locality_key_norm", cfg.locality_blocks, "key_norm"),
              ("locality_learned", cfg.locality_blocks, "learned"))
     sums = {name: 0.0 for name, _, _ in kinds}
+    gammas: dict[str, list[float]] = {name: [] for name, _, _ in kinds}
     n = 0
     for window in data:
         for layer, qkv in enumerate(window):
@@ -234,7 +236,11 @@ def evaluate(heads: EvictionHeads, data: list[list[LayerQKV]], cfg: TrainConfig,
                     out = _attend(q, keys, values, mask.float(), scale)
                     sums[name] += float(((out - dense).pow(2).sum(dim=1) / norm).mean())
                 n += 1
-    return {k: v / max(n, 1) for k, v in sums.items()}
+            for name in states:
+                gammas[name] += states[name].locality
+    return {k: {"error": sums[k] / max(n, 1),
+                "gamma": sum(gammas[k]) / max(len(gammas[k]), 1),
+                "gamma_min": min(gammas[k], default=0.0)} for k in sums}
 
 
 def train(heads: EvictionHeads, data: list[list[LayerQKV]], cfg: TrainConfig, *,
@@ -307,6 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("steps", "seq_len", "windows", "batch", "positions", "budget", "block_size",
                  "sink", "window", "locality_blocks", "seed"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    p.add_argument("--label-channels", type=int, default=16,
+                   help="label channels per kv head, as the server's --sparse-label-channels")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--temperature", type=float, default=d.temperature)
     p.add_argument("--no-progress", action="store_true")
@@ -335,8 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     channels = None
     if label_path is not None:
         channels = load_label_config(label_path, num_layers=dims["num_layers"],
-                                     num_kv_heads=dims["num_kv_heads"],
-                                     head_dim=dims["head_dim"])[:, :, :16].to(args.device)
+                                     num_kv_heads=dims["num_kv_heads"], head_dim=dims["head_dim"])
+        channels = channels[:, :, :args.label_channels].to(args.device)
     print(f"train_eviction: {cfg.windows} windows x {cfg.seq_len} tokens of {source}, "
           f"frozen forward {time.time() - t0:.1f}s; budget {cfg.budget}, block {cfg.block_size}, "
           f"k_e {cfg.locality_blocks}, labels {label_path or 'none (exact q·k)'}", flush=True)
@@ -350,11 +358,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("step  soft_loss  hard_loss")
     for e in curve[::every] + ([curve[-1]] if (len(curve) - 1) % every else []):
         print(f"{e['step']:4d}  {e['soft_loss']:.5f}    {e['hard_loss']:.5f}")
-    print("held-out window, hard selection, relative error of the attention output vs dense "
-          "(mean over layers, heads, positions):")
-    for k in before:
-        print(f"  {k:18s} {after[k]:.5f}" + (f"  (untrained heads: {before[k]:.5f})"
-                                              if k == "locality_learned" else ""))
+    print(f"held-out window, {cfg.budget}-token budget, k_e {cfg.locality_blocks}, decoding its "
+          f"last 32 positions: relative error of the attention output vs dense (mean over "
+          f"layers, heads, steps) and locality γ (mean, min)")
+    for k, v in after.items():
+        print(f"  {k:18s} error {v['error']:.5f}  γ {v['gamma']:.3f} (min {v['gamma_min']:.3f})"
+              + (f"  untrained heads: error {before[k]['error']:.5f}"
+                 if k == "locality_learned" else ""))
     name = Path(args.model_path).resolve().name
     save_eviction_heads(heads.cpu(), args.out, model=name,
                         extra={**asdict(cfg), "text": source, "seconds": round(seconds, 1),
