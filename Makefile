@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 MODEL_DIR := .models/smollm2
 LABELS := $(MODEL_DIR)/sparse_labels.json
 HEAD_POLICY := $(MODEL_DIR)/head_policy.json
+EVICTION_HEAD := $(MODEL_DIR)/eviction_head.safetensors
 PORT ?= 30000
 # Extra flags for `make serve`, e.g. SERVE_ARGS="--sparse-budget 512 --sparse-method quest".
 SERVE_ARGS ?=
@@ -12,7 +13,7 @@ PYTEST_ARGS ?=
 
 SETUP_STAMP := $(VENV)/.sglang_ext-setup
 
-.PHONY: setup model head-policy serve test test-gpu clean
+.PHONY: setup model head-policy eviction-head serve test test-gpu clean
 
 setup: $(SETUP_STAMP) $(MODEL_DIR)/.complete $(LABELS)
 
@@ -37,6 +38,14 @@ head-policy: $(HEAD_POLICY)
 
 $(HEAD_POLICY): $(MODEL_DIR)/.complete
 	$(PY) -m sglang_ext.selection.head_policy --model-path $(MODEL_DIR) --out $@
+
+# NOSA's trained eviction heads for --sparse-eviction-head (CPU, a few minutes; the base model
+# stays frozen; EVICTION_ARGS="--device cuda --steps 400" for more).
+EVICTION_ARGS ?=
+eviction-head: $(EVICTION_HEAD)
+
+$(EVICTION_HEAD): $(MODEL_DIR)/.complete
+	$(PY) -m sglang_ext.selection.train_eviction --model-path $(MODEL_DIR) --out $@ $(EVICTION_ARGS)
 
 # CPU when no GPU is visible, GPU otherwise.
 serve: setup

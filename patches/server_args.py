@@ -31,6 +31,7 @@ def _around_from_cli_args(original: Callable, cls: type, args: argparse.Namespac
     if uses_sparse_backend(server_args):
         _check_label_config(server_args, cfg)
         _check_head_policy(server_args, cfg)
+        _check_eviction_head(server_args, cfg)
         _force_compatible_settings(server_args, cfg)
         from sglang_ext.attention.sparse_backend import resolve_impl
 
@@ -119,6 +120,20 @@ def _check_head_policy(server_args: Any, cfg: sparse_config.SparseConfig) -> Non
         raise SystemExit(f"sglang_ext: --sparse-head-policy: {e}") from None
 
 
+def _check_eviction_head(server_args: Any, cfg: sparse_config.SparseConfig) -> None:
+    """Eviction heads trained for another model must stop start-up, not the first decode."""
+    if cfg.eviction_head is None:
+        return
+    from sglang_ext.selection.eviction_head import load_eviction_heads
+
+    mc = server_args.get_model_config()
+    try:
+        load_eviction_heads(cfg.eviction_head, num_layers=mc.num_hidden_layers,
+                            num_kv_heads=mc.get_total_num_kv_heads(), head_dim=mc.head_dim)
+    except ValueError as e:
+        raise SystemExit(f"sglang_ext: --sparse-eviction-head: {e}") from None
+
+
 def _force_compatible_settings(server_args: Any, cfg: sparse_config.SparseConfig) -> None:
     """Settings that would route decode tokens around our backend, and the paging and CUDA
     graph settings each decode implementation needs."""
@@ -137,7 +152,8 @@ def _force_compatible_settings(server_args: Any, cfg: sparse_config.SparseConfig
         raise SystemExit("sglang_ext: --sparse-impl triton needs a CUDA device (use reference on CPU)")
     for field, flag in (("locality_blocks", "--sparse-locality-blocks"),
                         ("scoring", "--sparse-scoring output_aware"),
-                        ("head_policy", "--sparse-head-policy")):
+                        ("head_policy", "--sparse-head-policy"),
+                        ("eviction_head", "--sparse-eviction-head")):
         if impl == "triton" and getattr(cfg, field) not in (0, "score", None):
             raise SystemExit(f"sglang_ext: {flag} runs in the reference decode for now "
                              f"(add --sparse-impl reference)")

@@ -22,6 +22,8 @@ IMPLS = ("auto", "reference", "triton")
 TIER_MODES = ("off", "sync", "async")
 TIER_METHODS = ("quest", "two_level")  # the tier fetches what a block filter chose
 DENSE_DECODE_MODES = ("sglang", "float32")  # the reference decode's dense rows
+# The locality constraint's query-agnostic scores (selection/locality.py: SCORE_KINDS).
+EVICTION_SCORES = ("attention", "key_norm", "learned")
 ENV_CONFIG = "SGLANG_EXT_CONFIG"  # JSON fallback for sgl.Engine(...), which rejects unknown kwargs
 
 
@@ -45,7 +47,8 @@ class SparseConfig:
     tier_host_gb: float = 0.0  # 0 = auto: half of the host memory available at start-up
     tier_gpu_tokens: int = 0  # 0 = auto: what the GPU holds after the working area
     locality_blocks: int = 0  # NOSA k_e: query-agnostic blocks per kv head (0 = off)
-    eviction_score: str = "attention"
+    eviction_score: str = "attention"  # see EVICTION_SCORES
+    eviction_head: Optional[str] = None  # trained eviction heads (selection/eviction_head.py)
     dense_decode: str = "sglang"  # reference decode's dense rows: see DENSE_DECODE_MODES
     guard_every: int = 0  # accuracy guard: decode steps between two recall probes (0 = off)
     guard_recall: float = 0.9  # the guard doubles a request's budget below this recall
@@ -123,9 +126,13 @@ _FLAGS: tuple[tuple[str, str, str, str], ...] = (
      "two_level with NOSA's locality constraint: this many blocks per kv head are kept by a "
      "query-agnostic eviction score, and a block once dropped never returns, so at least "
      "that share of the attended blocks persists between steps (0 = off; reference decode)."),
-    ("eviction_score", "--sparse-eviction-score", "{attention,key_norm}",
-     "Score of the query-agnostic part: attention (decayed attention mass) or key_norm "
-     "(pooled key norms)."),
+    ("eviction_score", "--sparse-eviction-score", "{" + ",".join(EVICTION_SCORES) + "}",
+     "Score of the query-agnostic part: attention (decayed attention mass), key_norm "
+     "(pooled key norms) or learned (NOSA's trained eviction head, --sparse-eviction-head)."),
+    ("eviction_head", "--sparse-eviction-head", "PATH",
+     "Trained eviction heads (python -m sglang_ext.selection.train_eviction), checked against "
+     "the model at start-up; needed by --sparse-eviction-score learned and by requests that "
+     "ask for it (custom_params.sparse.eviction_score)."),
     ("dense_decode", "--sparse-dense-decode", "{sglang,float32}",
      "Dense decode rows of the reference (CPU) decode: sglang = the same SDPA call as SGLang's "
      "torch_native backend (bit-identical outputs); float32 = the same attention in float32 "
@@ -255,8 +262,12 @@ def _validate(cfg: SparseConfig) -> None:
         fail("tier_host_gb", "must be >= 0 (0 = auto)")
     if cfg.locality_blocks < 0:
         fail("locality_blocks", "must be >= 0 (0 = off)")
-    if cfg.eviction_score not in ("attention", "key_norm"):
-        fail("eviction_score", "must be one of attention, key_norm")
+    if cfg.eviction_score not in EVICTION_SCORES:
+        fail("eviction_score", f"must be one of {', '.join(EVICTION_SCORES)}")
+    if cfg.eviction_head is not None and not os.path.isfile(cfg.eviction_head):
+        fail("eviction_head", "is not a readable file")
+    if cfg.eviction_score == "learned" and cfg.eviction_head is None:
+        fail("eviction_score", "learned needs --sparse-eviction-head")
     if cfg.scoring not in SCORINGS:
         fail("scoring", f"must be one of {', '.join(SCORINGS)}")
     if cfg.scoring != "score" and cfg.method != "two_level":

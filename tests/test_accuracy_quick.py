@@ -148,6 +148,24 @@ def test_settings_are_valid_overrides():
         assert sel.sink + sel.window <= sel.budget // 2
 
 
+def test_locality_variants_use_half_the_selected_blocks(tmp_path):
+    from sglang_ext.attention.request_overrides import parse_override
+    from sglang_ext.config import build_config
+    from sglang_ext.selection.eviction_head import EvictionHeads, save_eviction_heads
+
+    heads = tmp_path / "heads.safetensors"
+    save_eviction_heads(EvictionHeads(1, 1, 4), heads, model="tiny")
+    base = build_config(eviction_head=str(heads))
+    settings = R.sparse_settings(["locality", "locality_learned"], [64, 128, 256], block_size=4)
+    for st in settings[1:]:
+        sel = parse_override(st.custom_params, base)
+        middle_blocks = (sel.budget - sel.sink - sel.window) // 4
+        assert sel.method == "two_level" and sel.locality_blocks == middle_blocks // 2 > 0
+        assert sel.eviction_score == ("learned" if st.method == "locality_learned" else "attention")
+    with pytest.raises(ValueError, match="eviction-head"):  # a server without heads: a 400
+        parse_override(settings[-1].custom_params, build_config())
+
+
 def test_endpoint_adds_custom_params(monkeypatch):
     import sglang.lang.backend.runtime_endpoint as rt
     from sglang.lang.ir import SglSamplingParams

@@ -37,6 +37,11 @@ from server_utils import LABELS, free_port, launch_command, server_env
         ({"scoring": "mass"}, "--sparse-scoring"),
         ({"scoring": "output_aware", "method": "quest"}, "--sparse-scoring"),
         ({"head_policy": "/nonexistent.json"}, "--sparse-head-policy"),
+        ({"eviction_score": "oracle"}, "--sparse-eviction-score"),
+        ({"eviction_score": "learned"}, "--sparse-eviction-score"),  # needs the heads
+        ({"eviction_head": "/nonexistent.safetensors"}, "--sparse-eviction-head"),
+        ({"locality_blocks": 2, "method": "quest"}, "--sparse-locality-blocks"),
+        ({"budget": 128, "locality_blocks": 13}, "--sparse-locality-blocks"),
     ],
 )
 def test_invalid_values_name_the_flag(values, flag):
@@ -69,7 +74,8 @@ def test_help_lists_our_flags():
                  "--sparse-sink", "--sparse-window", "--sparse-label-channels",
                  "--sparse-method", "--sparse-label-config", "--sparse-tier",
                  "--sparse-tier-host-gb", "--sparse-tier-gpu-tokens", "--sparse-guard-every",
-                 "--sparse-guard-recall", "--sparse-guard-max-budget"):
+                 "--sparse-guard-recall", "--sparse-guard-max-budget",
+                 "--sparse-locality-blocks", "--sparse-eviction-score", "--sparse-eviction-head"):
         assert flag in out.stdout
     assert "sglang_ext" in out.stdout  # the backend name is an allowed --attention-backend
 
@@ -133,3 +139,18 @@ def test_head_policy_for_another_model_is_rejected(tmp_path):
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("sglang_ext: --sparse-head-policy") and "kv heads" in last, \
         out.stderr[-2000:]
+
+
+@pytest.mark.server
+def test_eviction_head_for_another_model_is_rejected(tmp_path):
+    from sglang_ext.selection.eviction_head import EvictionHeads, save_eviction_heads
+
+    bad = tmp_path / "heads.safetensors"  # SmolLM2 has 30 layers of 3 kv heads, head dim 64
+    save_eviction_heads(EvictionHeads(30, 8, 64), bad, model="other")
+    out = _run_server(["--attention-backend", "sglang_ext", "--sparse-eviction-head", str(bad),
+                       "--sparse-eviction-score", "learned", "--sparse-locality-blocks", "8"])
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("sglang_ext: --sparse-eviction-head") and "kv heads" in last, \
+        out.stderr[-2000:]
+    assert "Traceback" not in out.stderr

@@ -71,17 +71,21 @@ SUITE_SERVER_ARGS = ["--chunked-prefill-size", "8192", "--max-running-requests",
 
 
 def sparse_server_args(block_size: int, dense_decode: str = "float32",
-                       head_policy: Optional[str] = None) -> list[str]:
+                       head_policy: Optional[str] = None,
+                       eviction_head: Optional[str] = None) -> list[str]:
     """Our backend; method and budget come with each request, the block size too (so the flag
     only sets the default). ``dense_decode``: how the dense requests decode (float32 by default:
     the same attention as SGLang's bf16 SDPA call, ~8x faster per request on a CPU).
-    ``head_policy``: a per-head policy file (the ``head_policy`` method's requests use it)."""
+    ``head_policy``: a per-head policy file (the ``head_policy`` method's requests use it).
+    ``eviction_head``: trained eviction heads (the ``locality_learned`` method's requests)."""
     args = ["--attention-backend", "sglang_ext", "--sparse-block-size", str(block_size),
             "--sparse-dense-decode", dense_decode]
     if os.path.exists(LABELS):
         args += ["--sparse-label-config", LABELS]
     if head_policy:
         args += ["--sparse-head-policy", head_policy]
+    if eviction_head:
+        args += ["--sparse-eviction-head", eviction_head]
     return args + SUITE_SERVER_ARGS
 
 
@@ -97,10 +101,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--budgets", nargs="+", type=int, default=list(DEFAULT_BUDGETS))
     p.add_argument("--methods", nargs="+", default=list(R.METHODS), choices=R.ALL_METHODS,
                    help="sparse methods; dense always runs (it prefills each sample); "
-                        "output_aware / head_policy are two_level variants (Fluxion)")
+                        "output_aware / head_policy are two_level variants (Fluxion), locality / "
+                        "locality_learned two_level under NOSA's locality constraint")
     p.add_argument("--head-policy", default=None,
                    help="per-head policy for the servers (python -m "
                         "sglang_ext.selection.head_policy); needed by --methods head_policy")
+    p.add_argument("--eviction-head", default=None,
+                   help="trained eviction heads for the servers (python -m "
+                        "sglang_ext.selection.train_eviction); needed by --methods "
+                        "locality_learned")
     p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="samples per (task, context)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help="tokens per block (4 for this CPU model; 16 is the GPU default)")
@@ -251,6 +260,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t_start = time.time()
     if "head_policy" in args.methods and not args.head_policy and not args.server_url:
         raise SystemExit("accuracy: --methods head_policy needs --head-policy FILE")
+    if "locality_learned" in args.methods and not args.eviction_head and not args.server_url:
+        raise SystemExit("accuracy: --methods locality_learned needs --eviction-head FILE")
     settings = R.sparse_settings(args.methods, args.budgets, args.block_size, args.sink, args.window)
     print(f"[accuracy] tasks {args.tasks}, contexts {args.contexts}, {args.samples} samples each; "
           f"dense + {args.methods} x budgets {args.budgets}; block size {args.block_size} "
@@ -278,7 +289,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             urls = [u.rstrip("/") for u in args.server_url]
             server_desc = f"external: {' '.join(urls)}"
         else:
-            server_args = sparse_server_args(args.block_size, args.dense_decode, args.head_policy)
+            server_args = sparse_server_args(args.block_size, args.dense_decode, args.head_policy,
+                                             args.eviction_head)
             # One torch (OpenMP) thread per core and server, so servers do not preempt each other.
             os.environ["OMP_NUM_THREADS"] = str(threads_per_server)
             urls = [sv.url for sv in guard.start(server_args, "sglang_ext", args.servers)]

@@ -34,9 +34,19 @@ from benchmarks.accuracy import tasks as T
 METHODS = ("quest", "ds", "two_level")
 # two_level variants (Fluxion), each a method name in the rows; "head_policy" needs servers
 # started with --sparse-head-policy (the driver's --head-policy).
+# "locality" / "locality_learned" are two_level under NOSA's locality constraint with k_e =
+# HALF_MIDDLE: half of the budget's selected blocks are query-agnostic (the training-free
+# decayed-attention score, or the trained eviction head: servers started with
+# --sparse-eviction-head, the driver's --eviction-head), the other half stays query-aware, so
+# γ(t) >= ~1/2 while a needle can still be retrieved by the query.
+HALF_MIDDLE = "half_middle"
 VARIANTS = {
     "output_aware": {"method": "two_level", "scoring": "output_aware"},
     "head_policy": {"method": "two_level", "head_policy": True},
+    "locality": {"method": "two_level", "head_policy": False, "locality_blocks": HALF_MIDDLE,
+                 "eviction_score": "attention"},
+    "locality_learned": {"method": "two_level", "head_policy": False,
+                         "locality_blocks": HALF_MIDDLE, "eviction_score": "learned"},
 }
 ALL_METHODS = METHODS + tuple(VARIANTS)
 DENSE = "dense"
@@ -132,9 +142,10 @@ def sparse_settings(methods: Sequence[str], budgets: Sequence[int], block_size: 
         how = VARIANTS.get(m, {"method": m, "head_policy": False})
         for b in budgets:
             s, w = shrunk_sink_window(b, sink, window)
-            out.append(Setting(m, b, {"sparse": {
-                **how, "budget": b, "block_size": block_size, "sink": s, "window": w,
-            }}))
+            sparse = {**how, "budget": b, "block_size": block_size, "sink": s, "window": w}
+            if sparse.get("locality_blocks") == HALF_MIDDLE:
+                sparse["locality_blocks"] = (b - s - w) // block_size // 2
+            out.append(Setting(m, b, {"sparse": sparse}))
     return out
 
 
@@ -331,7 +342,7 @@ def make_rows(results: Sequence[Result], settings: Sequence[Setting]) -> list[di
             "cached_tokens": round(_mean([r.meta.get("cached_tokens", 0) for r in rs]), 1),
             "completion_tokens": round(_mean([r.meta.get("completion_tokens", 0) for r in rs]), 1),
         }
-        for k in ("block_size", "sink", "window"):
+        for k in ("block_size", "sink", "window", "locality_blocks"):
             if k in sparse:
                 row[k] = sparse[k]
         rows.append(row)
@@ -498,7 +509,8 @@ def render_plot(doc: dict, path: str) -> None:
     methods = [m for m in ALL_METHODS if any(r["method"] == m for r in rows)]
     refs = sorted({r["method"] for r in rows if r["budget"] == 0 and r["method"] != DENSE})
     colors = {"quest": "tab:blue", "ds": "tab:orange", "two_level": "tab:green",
-              "output_aware": "tab:red", "head_policy": "tab:purple"}
+              "output_aware": "tab:red", "head_policy": "tab:purple", "locality": "tab:brown",
+              "locality_learned": "tab:pink"}
 
     def get(task, ctx, method, budget):
         if task == "mean":

@@ -21,7 +21,7 @@ from sglang_ext.selection import SelectionParams
 OVERRIDE_KEY = "sparse"
 DENSE = "dense"
 OVERRIDABLE = ("method", "budget", "block_size", "candidate_blocks", "sink", "window", "scoring",
-               "head_policy")
+               "head_policy", "locality_blocks", "eviction_score")
 
 # What a request decodes with: SelectionParams, or None for dense attention.
 RequestSparsity = Optional[SelectionParams]
@@ -39,6 +39,8 @@ def selection_params(cfg: SparseConfig, use_head_policy: Optional[bool] = None) 
         window=cfg.window,
         scoring=cfg.scoring,
         head_policy=cfg.head_policy is not None and use_head_policy is not False,
+        locality_blocks=cfg.locality_blocks,
+        eviction_score=cfg.eviction_score,
     )
 
 
@@ -68,8 +70,16 @@ def parse_override(custom_params: Optional[Mapping[str, Any]], base: SparseConfi
     values = dataclasses.asdict(base)
     if "budget" in raw and "candidate_blocks" not in raw:
         values["candidate_blocks"] = 0  # re-derive the automatic value from the new budget
-    if "method" in raw and raw["method"] != "two_level" and "scoring" not in raw:
-        values["scoring"] = "score"  # the server's output-aware scoring is two_level's
+    if "method" in raw and raw["method"] != "two_level":
+        # The server's output-aware scoring and locality constraint are two_level's.
+        if "scoring" not in raw:
+            values["scoring"] = "score"
+        if "locality_blocks" not in raw:
+            values["locality_blocks"] = 0
+    for key in ("locality_blocks",):
+        if key in raw and (isinstance(raw[key], bool) or not isinstance(raw[key], int)):
+            raise ValueError(f"custom_params.{OVERRIDE_KEY}.{key} must be an integer, "
+                             f"got {raw[key]!r}")
     values.update(raw)
     try:
         return selection_params(build_config(**values), use_policy)

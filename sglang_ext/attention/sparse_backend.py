@@ -155,7 +155,10 @@ class SparseDecodeBackend(AttentionBackend):
         self._tier_steps = 0
         self._locality_steps = 0
         self._locality_metrics = None
-        if config.locality_blocks > 0 and getattr(model_runner.server_args, "enable_metrics", False):
+        # NOSA's trained eviction heads (--sparse-eviction-head), this rank's kv heads.
+        self.eviction_heads = self._load_eviction_heads(model_runner, config)
+        # Any request may ask for the locality constraint (custom_params), so always export it.
+        if getattr(getattr(model_runner, "server_args", None), "enable_metrics", False):
             from sglang_ext.selection.locality import LocalityMetrics
 
             self._locality_metrics = LocalityMetrics()
@@ -267,6 +270,20 @@ class SparseDecodeBackend(AttentionBackend):
         logger.info("sglang_ext head policy: %d of %d kv heads stream (sink + window only)",
                     int(policy.sum()), policy.numel())
         return policy[:, heads.start:heads.stop]
+
+    @staticmethod
+    def _load_eviction_heads(model_runner: ModelRunner, config: SparseConfig) -> Optional[Any]:
+        if config.eviction_head is None:
+            return None
+        from sglang_ext.selection.eviction_head import load_eviction_heads
+
+        mc = model_runner.model_config
+        total_heads = mc.get_total_num_kv_heads()
+        heads = load_eviction_heads(config.eviction_head, num_layers=mc.num_hidden_layers,
+                                    num_kv_heads=total_heads, head_dim=mc.head_dim)
+        tp = attn_tp()
+        mine = rank_kv_heads(total_heads, tp.size, tp.rank)
+        return heads.kv_heads(mine.start, mine.stop).to(model_runner.device)
 
     def _dense_backend(self) -> AttentionBackend:
         """The SGLang backend that runs prefill/extend (built lazily: under HybridAttnBackend
@@ -679,7 +696,8 @@ class SparseDecodeBackend(AttentionBackend):
             if params is None or seq_len <= params.budget:
                 out[i] = self._dense_row(q[i], keys, values, layer.scaling)
             elif local:
-                mask = self._select_with_locality(row, layer, q[i], keys, params, channels)
+                mask = self._select_with_locality(row, layer, q[i], keys, values, params,
+                                                  channels)
                 out[i] = sparse_attention(q[i], keys, values, mask, layer.scaling)
             else:
                 streaming = None if self.streaming_heads is None \
@@ -716,14 +734,17 @@ class SparseDecodeBackend(AttentionBackend):
             return _last_row_attention_fp32(q, keys, values, scaling)
         return _dense_decode_like_sglang(q, keys, values, scaling)
 
-    def _uses_locality(self, params: RequestSparsity) -> bool:
-        return self.config.locality_blocks > 0 and params is not None \
-            and params.method == "two_level"
+    @staticmethod
+    def _uses_locality(params: RequestSparsity) -> bool:
+        """The request's k_e (server flag or custom_params.sparse.locality_blocks)."""
+        return params is not None and params.method == "two_level" and params.locality_blocks > 0
 
     def _select_with_locality(self, row: int, layer: RadixAttention, q: torch.Tensor,
-                              keys: torch.Tensor, params: Any, channels: Any) -> torch.Tensor:
+                              keys: torch.Tensor, values: torch.Tensor, params: Any,
+                              channels: Any) -> torch.Tensor:
         """NOSA's locality-constrained two_level (sglang_ext/selection/locality.py), with its
-        per-(request, layer) state kept under the request's row."""
+        per-(request, layer) state kept under the request's row; k_e and the eviction score are
+        the request's."""
         from sglang_ext.selection.locality import (
             LocalityState,
             select_token_mask_locality,
@@ -734,10 +755,13 @@ class SparseDecodeBackend(AttentionBackend):
         state = states.get(layer.layer_id)
         if state is None:
             state = states[layer.layer_id] = LocalityState(num_kv_heads=keys.shape[1])
-        cfg = self.config
-        mask = select_token_mask_locality(q, keys, params, state, cfg.locality_blocks, channels,
-                                          cfg.eviction_score)
-        if cfg.eviction_score == "attention":
+        head = None
+        if params.eviction_score == "learned":
+            # Validated at arrival: learned needs the server's --sparse-eviction-head.
+            head = self.eviction_heads.layer(layer.layer_id)
+        mask = select_token_mask_locality(q, keys, params, state, params.locality_blocks, channels,
+                                          params.eviction_score, values, head)
+        if params.eviction_score == "attention":
             update_eviction_scores(state, q, keys, mask, layer.scaling, params.block_size)
         self._locality_steps += 1
         if state.locality and self._locality_metrics is not None:
@@ -746,7 +770,7 @@ class SparseDecodeBackend(AttentionBackend):
             recent = state.locality[-LOCALITY_LOG_EVERY:]
             logger.info("sglang_ext locality: layer %d gamma mean %.3f min %.3f (k_e=%d)",
                         layer.layer_id, sum(recent) / len(recent), min(recent),
-                        cfg.locality_blocks)
+                        params.locality_blocks)
         return mask
 
     def support_triton(self) -> bool:

@@ -22,12 +22,17 @@ Training-free eviction scores (``score_kind``):
 * ``key_norm``: query-independent, two-stage pooled: mean key norm inside sub-blocks, max over
   the block's sub-blocks (computed once per block).
 
+Trained score (``learned``): NOSA's eviction head (:mod:`.eviction_head`), a per-(layer, kv
+head) score of each token's value, pooled the same two-stage way; fixed once a block exists, so
+each block is scored once.
+
 State is per (request, layer): :class:`LocalityState`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,7 +46,7 @@ from sglang_ext.selection.reference import (
     quest_block_scores,
 )
 
-SCORE_KINDS = ("attention", "key_norm")
+SCORE_KINDS = ("attention", "key_norm", "learned")
 
 
 @dataclass
@@ -56,6 +61,7 @@ class LocalityState:
     prev_blocks: Tensor = field(default=None)  # bool: blocks attended at the previous step
     locality: list[float] = field(default_factory=list)  # γ(t) per step (mean over heads)
     floor: list[float] = field(default_factory=list)  # |E_t| / blocks attended, min over heads
+    scored_blocks: int = 0  # ``learned``: blocks whose (fixed) score is already in ``score``
 
     def grow(self, num_blocks: int) -> None:
         if self.keep is not None and self.keep.shape[1] >= num_blocks:
@@ -80,10 +86,13 @@ class LocalityState:
 def select_token_mask_locality(
     q: Tensor, keys: Tensor, params: SelectionParams, state: LocalityState, k_e: int,
     channels: Tensor | None = None, score_kind: str = "attention",
+    values: Tensor | None = None, eviction_head: Any = None,
 ) -> Tensor:
     """Bool ``[Hkv, L]``: sink + window + the tokens of ``E_t`` + the query-aware tokens.
     Updates ``state`` (``E_t``, evictions, γ(t)); call :func:`update_eviction_scores` after
-    the attention for the ``attention`` score."""
+    the attention for the ``attention`` score. ``learned`` needs ``values`` (``[L, Hkv, D]``)
+    and ``eviction_head`` (an object with ``token_scores(values) -> [Hkv, n]``, e.g.
+    :class:`~sglang_ext.selection.eviction_head.LayerEvictionHead`)."""
     if params.method != "two_level":
         raise ValueError("locality-constrained selection builds on two_level")
     length, num_kv_heads = keys.shape[:2]
@@ -100,6 +109,10 @@ def select_token_mask_locality(
 
     if score_kind == "key_norm":
         _key_norm_scores(keys, bs, state, num_blocks)
+    elif score_kind == "learned":
+        if values is None or eviction_head is None:
+            raise ValueError("the learned eviction score needs the values and an eviction head")
+        _learned_scores(values, eviction_head, bs, state, num_blocks)
     elif score_kind != "attention":
         raise ValueError(f"score_kind must be one of {SCORE_KINDS}")
 
@@ -148,13 +161,35 @@ def select_token_mask_locality(
     return mask
 
 
+def two_stage_pool(token_scores: Tensor, block_size: int, sub_block: int = 4) -> Tensor:
+    """NOSA's block score from token scores ``[..., n]`` (``n`` a multiple of ``block_size``):
+    the mean over sub-blocks of ``sub_block`` tokens, then the max over the block's sub-blocks:
+    ``[..., n // block_size]``. The mean smooths single-token spikes, the max keeps a block
+    whose one part matters."""
+    sub = max(1, min(sub_block, block_size))
+    n = token_scores.shape[-1]
+    shape = token_scores.shape[:-1] + (n // block_size, block_size // sub, sub)
+    return token_scores.reshape(shape).mean(dim=-1).amax(dim=-1)
+
+
 def _key_norm_scores(keys: Tensor, bs: int, state: LocalityState, num_blocks: int) -> None:
     """Two-stage pooled key norms (mean over sub-blocks of 4 tokens, max over the block)."""
-    sub = max(1, min(4, bs))
     n = num_blocks * bs
     norms = keys[:n].float().norm(dim=2).transpose(0, 1)  # [Hkv, n]
-    pooled = norms.reshape(norms.shape[0], num_blocks, bs // sub, sub).mean(dim=3).amax(dim=2)
-    state.score[:, :num_blocks] = pooled.cpu()
+    state.score[:, :num_blocks] = two_stage_pool(norms, bs).cpu()
+
+
+def _learned_scores(values: Tensor, head: Any, bs: int, state: LocalityState,
+                    num_blocks: int) -> None:
+    """Eviction-head scores of the blocks not scored yet (a block's score is fixed: it depends
+    on its tokens' values only, and a block is only scored once all its tokens exist)."""
+    done = state.scored_blocks
+    full = min(num_blocks, values.shape[0] // bs)  # a window shorter than a block: wait
+    if full <= done:
+        return
+    token = head.token_scores(values[done * bs:full * bs])  # [Hkv, n]
+    state.score[:, done:full] = two_stage_pool(token, bs).cpu()
+    state.scored_blocks = full
 
 
 def update_eviction_scores(

@@ -36,6 +36,9 @@ class SelectionParams:
     ``scoring`` (two_level): see :data:`SCORINGS` and :func:`output_aware_token_mask`.
     ``head_policy``: apply the server's per-head policy (streaming kv heads attend their sink and
     window only; see :mod:`sglang_ext.selection.head_policy`).
+    ``locality_blocks`` / ``eviction_score`` (two_level): NOSA's locality constraint, ``k_e``
+    query-agnostic blocks per kv head kept by that score (0 = off; see
+    :mod:`sglang_ext.selection.locality`).
     """
 
     method: str
@@ -46,6 +49,8 @@ class SelectionParams:
     window: int
     scoring: str = "score"
     head_policy: bool = False
+    locality_blocks: int = 0
+    eviction_score: str = "attention"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -62,6 +67,9 @@ class SelectionParams:
             raise ValueError(
                 f"sink + window ({self.sink} + {self.window}) exceeds budget {self.budget}"
             )
+        if self.locality_blocks < 0 or (self.locality_blocks and self.method != "two_level"):
+            raise ValueError(f"locality_blocks needs two_level and >= 0, got "
+                             f"{self.locality_blocks} with {self.method!r}")
         if self.method == "two_level" and self.candidate_blocks < 1:
             raise ValueError(
                 f"two_level needs candidate_blocks >= 1, got {self.candidate_blocks}"
