@@ -106,32 +106,34 @@ def _check_label_config(server_args: Any, cfg: sparse_config.SparseConfig) -> No
         )
 
 
+def _check_model_file(flag: str, path: str, load: Callable[..., Any], **shape: int) -> None:
+    """A file calibrated or trained for another model must stop start-up, not the first
+    decode: ``load(path, **shape)`` raises ValueError (one line) on a mismatch."""
+    try:
+        load(path, **shape)
+    except ValueError as e:
+        raise SystemExit(f"sglang_ext: {flag}: {e}") from None
+
+
 def _check_head_policy(server_args: Any, cfg: sparse_config.SparseConfig) -> None:
-    """A policy calibrated for another model must stop start-up, not the first decode."""
     if cfg.head_policy is None:
         return
     from sglang_ext.selection.head_policy import load_head_policy
 
     mc = server_args.get_model_config()
-    try:
-        load_head_policy(cfg.head_policy, num_layers=mc.num_hidden_layers,
-                         num_kv_heads=mc.get_total_num_kv_heads())
-    except ValueError as e:
-        raise SystemExit(f"sglang_ext: --sparse-head-policy: {e}") from None
+    _check_model_file("--sparse-head-policy", cfg.head_policy, load_head_policy,
+                      num_layers=mc.num_hidden_layers, num_kv_heads=mc.get_total_num_kv_heads())
 
 
 def _check_eviction_head(server_args: Any, cfg: sparse_config.SparseConfig) -> None:
-    """Eviction heads trained for another model must stop start-up, not the first decode."""
     if cfg.eviction_head is None:
         return
     from sglang_ext.selection.eviction_head import load_eviction_heads
 
     mc = server_args.get_model_config()
-    try:
-        load_eviction_heads(cfg.eviction_head, num_layers=mc.num_hidden_layers,
-                            num_kv_heads=mc.get_total_num_kv_heads(), head_dim=mc.head_dim)
-    except ValueError as e:
-        raise SystemExit(f"sglang_ext: --sparse-eviction-head: {e}") from None
+    _check_model_file("--sparse-eviction-head", cfg.eviction_head, load_eviction_heads,
+                      num_layers=mc.num_hidden_layers, num_kv_heads=mc.get_total_num_kv_heads(),
+                      head_dim=mc.head_dim)
 
 
 def _force_compatible_settings(server_args: Any, cfg: sparse_config.SparseConfig) -> None:
