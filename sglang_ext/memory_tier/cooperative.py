@@ -160,7 +160,8 @@ class HostAttentionWorkers:
     the miss blocks per (request, kv head), with the plan's per-thread item lists; it returns a
     future of ``(out, lse)`` for the whole batch (items not given to the CPU: ``lse = -inf``),
     ready for ``merge_attention_states`` with the GPU's partial. torch releases the GIL inside its
-    kernels, so the threads run in parallel; each uses one intra-op thread."""
+    kernels, so the threads run in parallel; torch's intra-op thread count is process-wide, so
+    the caller sets it (1 when the workers use the cores, as ``bench_fluxion.py`` does)."""
 
     def __init__(self, threads: int) -> None:
         self.threads = max(threads, 0)
@@ -179,24 +180,20 @@ class HostAttentionWorkers:
         lse = torch.full((batch, num_q_heads), float("-inf"), dtype=torch.float32)
 
         def run(items: list[int]) -> None:
-            if not items:
-                return
-            torch.set_num_threads(1)
             for i in items:
                 b, h = divmod(i, num_kv_heads)
-                blocks = torch.full((1, num_kv_heads, miss_blocks.shape[-1]), -1,
-                                    dtype=miss_blocks.dtype)
-                blocks[0, h] = miss_blocks[b, h]
-                o, s = attend_blocks(q[b:b + 1], host_k, host_v, blocks, page_size, scaling)
                 heads = slice(h * group, (h + 1) * group)
-                out[b, heads] = o[0, heads]
-                lse[b, heads] = s[0, heads]
+                # One kv head: its query group over its own host K/V rows (views, no copy).
+                o, s = attend_blocks(q[b:b + 1, heads], host_k[h:h + 1], host_v[h:h + 1],
+                                     miss_blocks[b:b + 1, h:h + 1], page_size, scaling)
+                out[b, heads] = o[0]
+                lse[b, heads] = s[0]
 
         if not any(plan.cpu_items):
             done: Future = Future()
             done.set_result((out, lse))
             return done
-        # One coordinating call; the per-thread work fans out from it.
+        # One task per CPU thread's item list; the future completes when all have.
         return _Fanout(self._pool, [lambda items=items: run(items) for items in plan.cpu_items
                                     if items], (out, lse))
 
