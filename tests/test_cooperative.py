@@ -174,9 +174,13 @@ def test_fluxion_benchmark_smoke_run(tmp_path):
 
     from benchmarks import bench_fluxion
 
-    rc = bench_fluxion.main(["--device", "cpu", "--contexts", "1024", "--batch", "2",
-                             "--layers", "2", "--budget", "256", "--steps", "2",
-                             "--cpu-threads", "2", "--check", "--out", str(tmp_path)])
+    threads = torch.get_num_threads()  # the benchmark sets it to 1 for its worker threads
+    try:
+        rc = bench_fluxion.main(["--device", "cpu", "--contexts", "1024", "--batch", "2",
+                                 "--layers", "2", "--budget", "256", "--steps", "2",
+                                 "--cpu-threads", "2", "--check", "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
     assert rc == 0
     data = json.loads((tmp_path / "fluxion_h200.json").read_text())
     assert [r["cooperative"] for r in data["rows"]] == ["off", "on"]
