@@ -72,6 +72,7 @@ class Outcome:
     error: Optional[str] = None
     malformed: Optional[str] = None
     seconds: float = 0.0
+    skipped: bool = False  # not started: --time-limit had passed
 
 
 def corpus_lines() -> list[str]:
@@ -353,6 +354,11 @@ def soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
     threading.Thread(target=sampler, daemon=True).start()
     deadline = time.time() + args.time_limit
+
+    def skip(o: Outcome) -> Outcome:
+        o.skipped = True
+        return o
+
     outcomes: list[Outcome] = []
     bar = tqdm(total=len(plan), desc="soak", unit="req", file=sys.stderr,
                # a log file (the GPU runs) gets a line every 30 s instead of a live bar
@@ -366,7 +372,7 @@ def soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
                     run_one(url, o, p, args.max_new_tokens if not o.kind.startswith("abort")
                             else 4 * args.max_new_tokens + 64, f"soak-{args.seed}-{i}",
                             abort_after=1.0 + rng.random()) if time.time() < deadline
-                    else o)))
+                    else skip(o))))
         for f in futures:
             outcomes.append(f.result())
             bar.update(1)
@@ -377,8 +383,12 @@ def soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
     # Checks.
     by_prompt = {p: i for i, p in enumerate(ref_prompts)}
     mismatches = []
+    skipped = sum(1 for o in outcomes if o.skipped)
+    if skipped:
+        failures.append(f"{skipped} of {len(outcomes)} requests not started before "
+                        f"--time-limit {args.time_limit:g} s")
     for (kind, prompt), o in zip(plan, outcomes):
-        if o.kind.startswith("abort"):
+        if o.kind.startswith("abort") or o.skipped:
             continue
         if o.error:
             failures.append(f"request {o.index} ({o.kind}): {o.error}")
@@ -405,13 +415,15 @@ def soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
         kinds[o.kind] = kinds.get(o.kind, 0) + 1
     rows = [{"index": o.index, "kind": o.kind, "prompt_tokens": o.prompt_tokens,
              "output_tokens": len(o.output_ids), "finish_reason": o.finish_reason,
-             "error": o.error, "seconds": round(o.seconds, 2)} for o in outcomes]
+             "error": o.error, "seconds": round(o.seconds, 2), "skipped": o.skipped}
+            for o in outcomes]
     return {
         "rows": rows,
         "config": {k: v for k, v in vars(args).items() if k not in ("url",)},
         "kinds": kinds,
         "completed": sum(1 for o in outcomes if o.finish_reason and not o.kind.startswith("abort")),
-        "aborted": sum(1 for o in outcomes if o.kind.startswith("abort")),
+        "skipped": skipped,
+        "aborted": sum(1 for o in outcomes if o.kind.startswith("abort") and not o.skipped),
         "max_prompt_tokens": max((o.prompt_tokens for o in outcomes), default=0),
         "reference_checked": sum(1 for o in outcomes if o.kind == "reference"),
         "mismatches": mismatches,
