@@ -66,7 +66,8 @@ def main(argv=None) -> int:
     from benchmarks.results_io import git_commit, gpu_name, write_results
     from sglang_ext.kernels.host_gather import gather_host_blocks, gather_host_blocks_ref, pinned_empty
     from sglang_ext.memory_tier.cooperative import (
-        CostModel, HostAttentionWorkers, PriorityScheduler, attend_blocks,         split_selection,
+        CostModel, HostAttentionWorkers, PriorityScheduler, attend_blocks, plan_split,
+        split_selection,
     )
     from sglang_ext.selection.reference import merge_attention_states
 
@@ -170,14 +171,9 @@ def main(argv=None) -> int:
             for layer in range(NL):
                 q = q_layers[layer]
                 selected = select(q, layer)
-                res_part, miss_part = split_selection(selected, resident[layer])
                 if cooperative:
-                    res_tok = ((res_part >= 0).sum(-1).flatten() * bs).cpu()
-                    miss_tok = ((miss_part >= 0).sum(-1).flatten() * bs).cpu()
-                    plan = scheduler.plan(res_tok, miss_tok, bs)
-                    cpu_mask = plan.cpu_mask.to(dev).view(B, HKV)[..., None]
-                    cpu_blocks = torch.where(cpu_mask, miss_part, torch.full_like(miss_part, -1))
-                    gpu_misses = torch.where(cpu_mask, torch.full_like(miss_part, -1), miss_part)
+                    plan, res_part, cpu_blocks, gpu_misses = plan_split(
+                        selected, resident[layer], scheduler, bs)
                     fut = workers.submit(q.cpu(), host_k[layer], host_v[layer],
                                          torch.gather(page_of, 2, cpu_blocks.clamp(min=0).long())
                                          .where(cpu_blocks >= 0, -1).cpu(), plan, bs, scaling)
@@ -192,6 +188,7 @@ def main(argv=None) -> int:
                                             c_lse.to(dev, non_blocking=True))
                     timer.stop()
                 else:
+                    _, miss_part = split_selection(selected, resident[layer])
                     timer.start()
                     fetched += fetch(layer, miss_part)
                     out, _ = gpu_attend(q, layer, selected)

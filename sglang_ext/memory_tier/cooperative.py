@@ -230,6 +230,20 @@ def split_selection(selected: Tensor, resident: Tensor) -> tuple[Tensor, Tensor]
     return torch.where(here, selected, none), torch.where(valid & ~here, selected, none)
 
 
+def plan_split(selected: Tensor, resident: Tensor, scheduler: PriorityScheduler,
+               page_size: int) -> tuple[CooperativePlan, Tensor, Tensor, Tensor]:
+    """The step's split of ``selected`` (``[B, Hkv, K]``): ``(plan, resident part, the misses
+    the CPU attends, the misses to fetch)``, block lists with ``-1`` elsewhere."""
+    res_part, miss_part = split_selection(selected, resident)
+    per_item = (res_part >= 0).sum(-1).flatten() * page_size
+    miss_tokens = (miss_part >= 0).sum(-1).flatten() * page_size
+    plan = scheduler.plan(per_item.cpu(), miss_tokens.cpu(), page_size)
+    cpu_mask = plan.cpu_mask.to(selected.device).view(selected.shape[:2])[..., None]
+    none = torch.full_like(miss_part, -1)
+    return (plan, res_part, torch.where(cpu_mask, miss_part, none),
+            torch.where(cpu_mask, none, miss_part))
+
+
 def cooperative_attention(q: Tensor, dev_k: Tensor, dev_v: Tensor, dev_pages: Tensor,
                           host_k: Tensor, host_v: Tensor, selected: Tensor, resident: Tensor,
                           page_size: int, scaling: float, scheduler: PriorityScheduler,
@@ -240,13 +254,7 @@ def cooperative_attention(q: Tensor, dev_k: Tensor, dev_v: Tensor, dev_pages: Te
     ``[Hkv, P, D]``), the CPU part over the planned misses from host memory, the rest fetched by
     ``fetch(miss_blocks, mask)`` (which must make them resident and map them in ``dev_pages``)
     before the GPU attends them. Returns ``(out, lse, plan)``."""
-    res_part, miss_part = split_selection(selected, resident)
-    per_item = (res_part >= 0).sum(-1).flatten() * page_size
-    miss_tokens = (miss_part >= 0).sum(-1).flatten() * page_size
-    plan = scheduler.plan(per_item.cpu(), miss_tokens.cpu(), page_size)
-    cpu_mask = plan.cpu_mask.to(selected.device).view(selected.shape[:2])
-    cpu_blocks = torch.where(cpu_mask[..., None], miss_part, torch.full_like(miss_part, -1))
-    gpu_misses = torch.where(cpu_mask[..., None], torch.full_like(miss_part, -1), miss_part)
+    plan, res_part, cpu_blocks, gpu_misses = plan_split(selected, resident, scheduler, page_size)
     # The CPU starts first (it needs q and its block lists on the host), then the GPU runs.
     future = workers.submit(q.cpu(), host_k, host_v, cpu_blocks.cpu(), plan, page_size, scaling)
     if fetch is not None and bool((gpu_misses >= 0).any()):
