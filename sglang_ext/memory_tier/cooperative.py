@@ -203,7 +203,8 @@ class HostAttentionWorkers:
     def __init__(self, threads: int) -> None:
         self.threads = max(threads, 0)
         self._pool = ThreadPoolExecutor(max_workers=max(self.threads, 1),
-                                        thread_name_prefix="sglang_ext-coop")
+                                        thread_name_prefix="sglang_ext-coop",
+                                        initializer=_one_intra_op_thread)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -230,6 +231,14 @@ class HostAttentionWorkers:
         # One task per CPU thread's item list; the future completes when all have.
         return _Fanout(self._pool, [lambda items=items: run(items) for items in plan.cpu_items
                                     if items], result)
+
+
+def _one_intra_op_thread() -> None:
+    """Each worker thread runs its ops on itself: the workers are the CPU's parallelism. Under
+    OpenMP the intra-op thread count is per native thread, so without this every worker would
+    start a full team of its own and oversubscribe the cores (the main thread's count is left
+    as it is)."""
+    torch.set_num_threads(1)
 
 
 class _Fanout(Future):
