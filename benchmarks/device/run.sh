@@ -60,10 +60,11 @@ for step in "$@"; do
           --sparse-tier async --sparse-tier-host-gb 64" || status=1 ;;
     tp2-greedy)
       # TP=2 (nvidia-h200-x2): greedy outputs of ours with every page on the host tier, budget >=
-      # context, against triton full attention at --tp 2.
+      # context, against triton full attention at --tp 2; flashinfer full attention is the
+      # control (how far two of SGLang's own full-attention kernels are from each other).
       SGLANG_EXT_DUMMY_WEIGHTS=scaled SGLANG_EXT_TIER_HOST_GB=96 SGLANG_EXT_TIER_GPU_TOKENS=16 \
       python3 benchmarks/e2e_serving.py --out "$OUT" --model .gpu/models/qwen3-14b-shape \
-        --configs triton sglang_ext_tier --tp 2 --input-len 65536 --num-prompts 0 \
+        --configs triton flashinfer sglang_ext_tier --tp 2 --input-len 65536 --num-prompts 0 \
         --greedy-check 8 --greedy-output-len 96 --results-name tp2_greedy_h200 \
         --extra "--mem-fraction-static 0.8 --cuda-graph-max-bs 8 --max-running-requests 8" \
         || status=1 ;;
