@@ -46,12 +46,19 @@ for step in "$@"; do
       # >= 200 requests of 1k-128k tokens, ~10 % aborted, CPU tier on, metrics on; decisive dummy
       # weights so that the reference subset's greedy comparison means something. A 128k prompt
       # takes ~40 s to prefill here (8k chunks at 120k positions: ~5 s each), so 128k prompts
-      # are a few among many short ones (a uniform mix did not finish in 10 minutes).
+      # are a few among many short ones (a uniform mix did not finish in 10 minutes). The dense
+      # reference (triton full attention, no CUDA graphs: it starts fastest) runs first, for
+      # prompts within our budget of 2048.
       SGLANG_EXT_DUMMY_WEIGHTS=scaled SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 \
       python3 benchmarks/soak.py --server-log "$OUT/soak_server.log" --out "$OUT/soak_h200.json" \
         --requests "${SOAK_REQUESTS:-200}" --concurrency 12 --max-new-tokens 32 \
         --lengths 1024:70 2048:50 4096:35 8192:20 16384:12 32768:8 131072:5 \
-        --time-limit "${SOAK_SECONDS:-330}" \
+        --time-limit "${SOAK_SECONDS:-300}" \
+        --dense-reference 4 --dense-lengths 1000 1500 \
+        --dense-launch "--model-path .gpu/models/qwen3-8b-shape --tokenizer-path .gpu/models/tokenizer \
+          --load-format dummy --sampling-backend pytorch --grammar-backend none \
+          --context-length 4096 --mem-fraction-static 0.5 --disable-cuda-graph \
+          --attention-backend triton" \
         --launch "--model-path .gpu/models/qwen3-8b-shape --tokenizer-path .gpu/models/tokenizer \
           --load-format dummy --sampling-backend pytorch --grammar-backend none \
           --context-length 163840 --mem-fraction-static 0.8 --cuda-graph-backend-prefill disabled \
