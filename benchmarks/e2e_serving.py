@@ -42,7 +42,9 @@ CONFIGS: dict[str, list[str]] = {
                         "--sparse-block-size", "16", "--sparse-tier", "async",
                         "--sparse-tier-host-gb", os.environ.get("SGLANG_EXT_TIER_HOST_GB", "64"),
                         "--sparse-tier-gpu-tokens",
-                        os.environ.get("SGLANG_EXT_TIER_GPU_TOKENS", "0")],
+                        os.environ.get("SGLANG_EXT_TIER_GPU_TOKENS", "0"),
+                        # the hidden-transfer fraction in the tier stats (issue 4's server bar)
+                        "--sparse-tier-timing", "on"],
     # the accuracy guard: probes every 16 steps and widens budgets (up to 4x) where recall < 0.9
     "sglang_ext_guard": ["--attention-backend", "sglang_ext", "--sparse-budget", "2048",
                          "--sparse-block-size", "16", "--sparse-guard-every", "16"],
@@ -54,6 +56,8 @@ CONFIGS: dict[str, list[str]] = {
     "sglang_ext_fi": ["--attention-backend", "sglang_ext", "--sparse-budget", "2048",
                       "--sparse-block-size", "16", "--sparse-dense-backend", "flashinfer"],
 }
+# the tier with FlashInfer's prefill (SGLang's triton extend takes ~40 s per 128k prompt)
+CONFIGS["sglang_ext_tier_fi"] = CONFIGS["sglang_ext_tier"] + ["--sparse-dense-backend", "flashinfer"]
 
 
 def launch(model: str, tokenizer: str, args: list[str], port: int, context_len: int,

@@ -22,7 +22,8 @@ SERVER = (
     f"--model-path {MODEL_DIR} --device cpu --max-total-tokens 16384 --sleep-on-idle "
     f"--attention-backend sglang_ext --sparse-budget 256 --sparse-block-size 4 "
     f"--sparse-label-config {LABELS} --page-size 4 --max-running-requests 4 "
-    f"--sparse-tier sync --sparse-tier-gpu-tokens 1024 --sparse-tier-host-gb 0.5 --enable-metrics"
+    f"--sparse-tier sync --sparse-tier-gpu-tokens 1024 --sparse-tier-host-gb 0.5 --enable-metrics "
+    f"--sparse-tier-timing on"
 )
 
 
@@ -57,3 +58,6 @@ def test_soak_on_cpu(tmp_path):
     assert report["healthy_after"]
     assert report["server_log"]["memory_leaks"] == 0
     assert report["metrics_during"].get("sglang_ext:tier_working_area_pages", 0) > 0
+    # --sparse-tier-timing exports its counters (the CPU's reference decode reads the host
+    # store directly, so they stay at 0 here; tests/test_memory_tier.py -k timing covers them)
+    assert "sglang_ext:tier_transfer_seconds_total" in report["metrics_after"]

@@ -2,7 +2,8 @@
 # One self-contained run on the GPU host (see ../shared/gpu/README.md): unpack the SGLang bundle,
 # install this repo, then the named steps. Results land in $OUT (or benchmarks/results).
 # Usage: bash benchmarks/device/run.sh COMMIT STEP...
-#   steps: env gputests operator tier fluxion transfer server e2e soak tp2-greedy (tp2-greedy: on nvidia-h200-x2)
+#   steps: env gputests operator tier fluxion transfer server e2e soak capacity tp2-greedy
+#   (tp2-greedy: on nvidia-h200-x2)
 # Wheels in .whl/ (carried, git-ignored; e.g. prometheus_client for --enable-metrics, which the
 # bundle lacks) are installed first.
 set -uo pipefail
@@ -64,7 +65,19 @@ for step in "$@"; do
           --context-length 163840 --mem-fraction-static 0.8 --cuda-graph-backend-prefill disabled \
           --cuda-graph-max-bs 16 --max-running-requests 16 --enable-metrics \
           --attention-backend sglang_ext --sparse-budget 2048 --sparse-block-size 32 \
-          --sparse-tier async --sparse-tier-host-gb 64" || status=1 ;;
+          --sparse-tier async --sparse-tier-host-gb 64 --sparse-tier-timing on" || status=1 ;;
+    capacity)
+      # Issue 4: how many concurrent 128k requests each server admits, full attention (flashinfer)
+      # vs ours with the CPU tier, beside the physical limit (device KV + pinned host) / device KV
+      # computed from the two servers' logs (capacity_vs_limit in the rows); tier timing on, so
+      # the row's tier stats carry the hidden-transfer fraction. Prompts: enough for twice
+      # what full attention holds; short outputs (admission, not decode speed, is measured).
+      SGLANG_EXT_TIER_HOST_GB="${CAP_HOST_GB:-96}" \
+      python3 benchmarks/e2e_serving.py --out "$OUT" --configs flashinfer sglang_ext_tier_fi \
+        --input-len 131072 --output-len "${CAP_OUTPUT:-64}" --num-prompts "${CAP_PROMPTS:-12}" \
+        --concurrency "${CAP_PROMPTS:-12}" --results-name capacity_h200 \
+        --extra "--mem-fraction-static 0.8 --max-running-requests 16 --cuda-graph-max-bs 16" \
+        || status=1 ;;
     tp2-greedy)
       # TP=2 (nvidia-h200-x2): greedy outputs of ours with every page on the host tier, budget >=
       # context, against triton full attention at --tp 2; flashinfer full attention is the
