@@ -214,3 +214,38 @@ def test_gpu_deepseek_v3_heads():
     q = random_values(gen, 2, 128, 576, dtype=torch.bfloat16, device="cuda", dyadic=True)
     params = SelectionParams("two_level", 1024, 16, 2 * -(-(1024 - 80) // 16), 16, 64)
     _check_decode(pb, q, params, 512)
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Shrink the tile limits so the interpreter's small shapes take the wide-head paths
+    real MLA shapes take on the GPU: 48-dim heads walked in 3 chunks of 16 (like 576 in 9 of
+    64), 32-wide values as "wide" (32-slot value tiles), 16-head tiles for a 32-head group."""
+    import sglang_ext.kernels.sparse_attention as sa
+
+    monkeypatch.setattr(sa, "_MAX_WHOLE_HEAD_DIM", 16)
+    monkeypatch.setattr(sa, "_D_CHUNK", 16)
+    monkeypatch.setattr(sa, "_ACC_ELEMENTS", 16 * R)
+    monkeypatch.setattr(sa, "_WIDE_DV", R)
+    assert sa.head_dim_tiling(R + P) == (16, 3)
+
+
+@pytest.mark.parametrize("method", ["quest", "two_level"])
+def test_wide_head_paths_match_reference(small_tiles, method):
+    """Chunked q·k (attention and block scores) and several head tiles per kv head give the
+    reference's sets and outputs."""
+    hq, bs = 32, 8
+    params = SelectionParams(method, 48, bs, 5, 4, 8)
+    gen = case_generator("mla-wide", method)
+    pb = _mla_batch(gen, [40, 150, 233], R, P, bs, torch.bfloat16, dyadic=True)
+    q = random_values(gen, 3, hq, R + P, dtype=torch.bfloat16, device=DEVICE, dyadic=True)
+    ws = SparseDecodeWorkspace(3, hq, 1, R, params, pb.max_blocks, q.device, q.dtype,
+                               block_score_precision="tc")
+    _check_decode(pb, q, params, R, workspace=ws)
+    args = (q, pb.kmin, pb.kmax, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, bs, 4, 8,
+            pb.max_blocks)
+    for precision in ("ieee", "tc"):
+        got = quest_block_scores_batched(*args, precision=precision)
+        torch.testing.assert_close(got, quest_block_scores_batched_ref(*args), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="fma"):
+        quest_block_scores_batched(*args, precision="fma")
