@@ -26,3 +26,20 @@ def test_sglang_loads_it_as_an_mla_model():
     assert math.isclose(mc.scaling, (128 + 64) ** -0.5 * mscale**2, rel_tol=1e-6)
     model_cls, arch = ModelRegistry.resolve_model_cls(hf.architectures)
     assert arch == "DeepseekV2ForCausalLM" and model_cls.__name__ == "DeepseekV2ForCausalLM"
+
+
+def test_startup_refuses_mla_models_in_one_line():
+    """Until the backend decodes MLA pools, an MLA model stops start-up with one line; other
+    models pass the check."""
+    from types import SimpleNamespace
+
+    import pytest
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from sglang_ext.patches.server_args import refuse_mla_models
+
+    mla = ModelConfig(str(CONFIG_DIR), trust_remote_code=False, dtype="bfloat16")
+    with pytest.raises(SystemExit, match=r"^sglang_ext: MLA models .* not served"):
+        refuse_mla_models(SimpleNamespace(get_model_config=lambda: mla))
+    mha = SimpleNamespace(attention_arch=type(mla.attention_arch).MHA)
+    refuse_mla_models(SimpleNamespace(get_model_config=lambda: mha))
