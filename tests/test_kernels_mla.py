@@ -249,3 +249,34 @@ def test_wide_head_paths_match_reference(small_tiles, method):
         torch.testing.assert_close(got, quest_block_scores_batched_ref(*args), rtol=0, atol=0)
     with pytest.raises(ValueError, match="fma"):
         quest_block_scores_batched(*args, precision="fma")
+
+
+@gpu
+@needs_cuda
+def test_gpu_dense_budget_equals_sglang_triton_mla_decode():
+    """budget >= context at DeepSeek-V2-Lite shapes: our kernels' latent output equals SGLang's
+    own MLA decode kernel (decode_attention_fwd with has_mla, the triton backend's) on the same
+    pool rows."""
+    from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+
+    lens = [4096, 1500, 77]
+    gen = case_generator("gpu-mla-sglang")
+    pb = _mla_batch(gen, lens, 512, 64, 16, torch.bfloat16, device="cuda", summary_chunks=2)
+    q = random_values(gen, 3, 16, 576, dtype=torch.bfloat16, device="cuda")
+    params = SelectionParams("two_level", 4096, 16, 256, 16, 64)
+    ours = sparse_decode_batched(q, pb.k_buffer, pb.v_buffer, pb.req_to_token,
+                                 pb.req_pool_indices, pb.seq_lens, pb.kmin, pb.kmax, params,
+                                 SCALING)
+    rows = [pb.req_to_token[int(r), :n] for r, n in zip(pb.req_pool_indices, lens)]
+    kv_indices = torch.cat(rows).long()
+    kv_indptr = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                             device="cuda")
+    splits = 8
+    o = torch.empty(3, 16, 512, dtype=torch.bfloat16, device="cuda")
+    decode_attention_fwd(
+        q, pb.k_buffer, pb.v_buffer, o, kv_indptr, kv_indices,
+        torch.empty(3, 16, splits, 512, dtype=torch.float32, device="cuda"),
+        torch.empty(3, 16, splits, dtype=torch.float32, device="cuda"),
+        torch.full((3,), splits, dtype=torch.int32, device="cuda"), splits, SCALING, 1.0, 1.0,
+        has_mla=True)
+    torch.testing.assert_close(ours.float(), o.float(), **TOL[torch.bfloat16])
