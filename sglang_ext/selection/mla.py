@@ -45,6 +45,9 @@ this module fixes the MLA shapes and documents why each stage applies.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Optional
+
 import torch
 from torch import Tensor
 
@@ -59,6 +62,60 @@ from sglang_ext.selection.reference import (
 # DeepSeek-V2/V3's latent layout (the defaults of SGLang's MLA pool for those models).
 DEEPSEEK_KV_LORA_RANK = 512
 DEEPSEEK_QK_ROPE_HEAD_DIM = 64
+
+# Settings whose code has no MLA version yet, as (SparseConfig / SelectionParams attribute,
+# its flag, whether a value turns it on). The CPU tier stores per-head K and V pages; the
+# guard's probe kernel (kernels/guard_probe.py) and the eviction heads assume MHA keys; the
+# head policy, output_aware scoring and the locality constraint rank or split kv heads, and
+# an MLA layer has one latent head shared by all query heads (nothing to split, unmeasured).
+_MLA_UNSUPPORTED = (
+    ("tier", "--sparse-tier", lambda v: v != "off"),
+    ("guard_every", "--sparse-guard-every", lambda v: v > 0),
+    ("scoring", "--sparse-scoring output_aware", lambda v: v != "score"),
+    ("head_policy", "--sparse-head-policy", bool),
+    ("eviction_head", "--sparse-eviction-head", lambda v: v is not None),
+    ("locality_blocks", "--sparse-locality-blocks", lambda v: v > 0),
+)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What the sparse decode needs to know of a model's KV rows."""
+
+    num_kv_heads: int  # the model's kv heads (all ranks); MLA: the one latent head
+    head_dim: int  # dims of a key row: what summaries and label channels index (MLA: R + P)
+    stored_v_dims: int  # dims stored per value row beside the key (MLA: 0, V is K's view)
+
+
+def kv_layout(model_config: Any) -> KVLayout:
+    """The KV layout of an SGLang ``ModelConfig``. For MLA models its ``head_dim`` and
+    ``get_total_num_kv_heads()`` describe the MHA-path prefill (256 and Hq for DeepSeek-V2),
+    not the pool's rows."""
+    if is_mla_model(model_config):
+        return KVLayout(1, model_config.kv_lora_rank + model_config.qk_rope_head_dim, 0)
+    return KVLayout(model_config.get_total_num_kv_heads(), model_config.head_dim,
+                    model_config.v_head_dim)
+
+
+def is_mla_model(model_config: Any) -> bool:
+    from sglang.srt.configs.model_config import AttentionArch
+
+    return getattr(model_config, "attention_arch", None) == AttentionArch.MLA
+
+
+def pool_kv_lora_rank(pool: Any) -> Optional[int]:
+    """``R`` of an MLA KV pool (one latent row per token), None for any other pool."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    return pool.kv_lora_rank if isinstance(pool, MLATokenToKVPool) else None
+
+
+def mla_unsupported(settings: Any) -> list[tuple[str, str]]:
+    """``(attribute, flag)`` of each setting turned on in ``settings`` (a SparseConfig, or a
+    request's SelectionParams: only the attributes it has are checked) that MLA pools do not
+    support yet."""
+    return [(attr, flag) for attr, flag, on in _MLA_UNSUPPORTED
+            if hasattr(settings, attr) and on(getattr(settings, attr))]
 
 
 def check_mla_shapes(q: Tensor, keys: Tensor, kv_lora_rank: int) -> None:
