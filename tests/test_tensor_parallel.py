@@ -63,7 +63,7 @@ def test_each_rank_loads_the_label_channels_of_its_own_kv_heads(
     runner = SimpleNamespace(
         device="cpu",
         model_config=SimpleNamespace(num_hidden_layers=LAYERS, head_dim=HEAD_DIM,
-                                     get_total_num_kv_heads=lambda: KV_HEADS))
+                                     v_head_dim=HEAD_DIM, get_total_num_kv_heads=lambda: KV_HEADS))
     cfg = build_config(label_config=str(path), label_channels=CHANNELS)
     pieces = []
     for rank in range(size):

@@ -41,6 +41,7 @@ from sglang_ext.selection.guard import (
     selection_recall,
     widened,
 )
+from sglang_ext.selection.mla import kv_layout, mla_unsupported, pool_kv_lora_rank
 from sglang_ext.selection.reference import BatchedSparseDecode
 from sglang_ext.tensor_parallel import attn_tp, rank_kv_heads
 
@@ -123,6 +124,11 @@ class SparseDecodeBackend(AttentionBackend):
         # SGLang reads the pools from the active backend (forward_context), so expose them.
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
+        # MLA pools (selection/mla.py): one latent row [R + P] per token, V its [:R] view.
+        self.kv_lora_rank = pool_kv_lora_rank(self.token_to_kv_pool)
+        if self.kv_lora_rank is not None and mla_unsupported(config):
+            raise ValueError(f"sglang_ext: {mla_unsupported(config)[0][1]} does not support MLA "
+                             "models (latent KV pool) yet")
         self._dense: Optional[AttentionBackend] = None
         self.decode_metadata: Optional[DecodeMetadata] = None
         self.default_params = request_overrides.selection_params(config)
@@ -239,12 +245,13 @@ class SparseDecodeBackend(AttentionBackend):
         if config.label_config is None:
             return None
         mc = model_runner.model_config
-        total_heads = mc.get_total_num_kv_heads()
+        layout = kv_layout(mc)
+        total_heads = layout.num_kv_heads
         channels = load_label_config(
             config.label_config,
             num_layers=mc.num_hidden_layers,
             num_kv_heads=total_heads,
-            head_dim=mc.head_dim,
+            head_dim=layout.head_dim,
         )
         if config.label_channels > channels.shape[-1]:
             raise ValueError(
@@ -475,7 +482,7 @@ class SparseDecodeBackend(AttentionBackend):
             out = self._dense_backend().forward_extend(
                 q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs
             )
-        if self.summaries is not None and save_kv_cache and k is not None:
+        if self.summaries is not None and self._wrote_kv(k, save_kv_cache):
             self._update_summaries(layer, k, forward_batch)
         return out
 
@@ -576,7 +583,7 @@ class SparseDecodeBackend(AttentionBackend):
         from sglang_ext.kernels.sparse_decode import sparse_decode_batched
 
         layer_index = self._layer_index(layer)
-        if save_kv_cache and k is not None:
+        if self._wrote_kv(k, save_kv_cache):
             self._update_summaries(layer, k, forward_batch)
         channels = None if self.label_channels is None else self.label_channels[layer.layer_id]
         k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
@@ -638,12 +645,14 @@ class SparseDecodeBackend(AttentionBackend):
         fitting = [ws for ws in self._workspaces if ws.max_batch >= batch]
         if fitting:
             return min(fitting, key=lambda ws: ws.max_batch)
-        pool = self.token_to_kv_pool  # per-rank head counts under tensor parallelism
+        pool = self.token_to_kv_pool
+        # [.., Hkv, Dv] with this rank's kv heads; MLA pools: one latent head, Dv = R
+        _, num_kv_heads, head_dim_v = pool.get_value_buffer(pool.start_layer).shape
         workspace = SparseDecodeWorkspace(
             max_batch=batch,
             num_q_heads=self._rank_q_heads(),
-            num_kv_heads=pool.head_num,
-            head_dim_v=pool.v_head_dim,
+            num_kv_heads=num_kv_heads,
+            head_dim_v=head_dim_v,
             params=self.kernel_params,
             max_blocks=-(-self.req_to_token_pool.req_to_token.shape[1] // self.config.block_size),
             device=self.device,
@@ -652,10 +661,22 @@ class SparseDecodeBackend(AttentionBackend):
         self._workspaces.append(workspace)
         return workspace
 
+    def _wrote_kv(self, k: Optional[torch.Tensor], save_kv_cache: bool) -> bool:
+        """Whether this layer's call wrote KV at out_cache_loc. MLA models write their latent
+        rows themselves before an extend without a cached prefix (set_mla_kv_buffer, then
+        attention with save_kv_cache=False); every other MLA call stores them itself."""
+        return self.kv_lora_rank is not None or (save_kv_cache and k is not None)
+
     def _update_summaries(self, layer: RadixAttention, k: torch.Tensor, forward_batch: ForwardBatch) -> None:
         """Fold the keys just written (prefill or decode) into their pages' min/max, and store
         their label channels in the label cache."""
-        keys = k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim)
+        if self.kv_lora_rank is not None:
+            # The rows stored: an MLA extend's k is then the per-head MHA key (qk_nope + rope
+            # dims of each query head), not the latent row the pool holds.
+            keys = self.token_to_kv_pool.get_key_buffer(layer.layer_id).index_select(
+                0, forward_batch.out_cache_loc)
+        else:
+            keys = k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim)
         self.summaries.update(self._layer_index(layer), keys, forward_batch.out_cache_loc)
         if self.labels is not None:
             from sglang_ext.kernels.label_cache import update_label_cache
