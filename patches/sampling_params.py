@@ -14,10 +14,18 @@ from sglang_ext.attention.request_overrides import OVERRIDE_KEY, parse_override
 
 
 def _after_verify(result: Any, sampling_params: Any, *args: Any, **kwargs: Any) -> None:
-    from sglang_ext.patches.server_args import active_config, active_impl
+    from sglang_ext.patches.server_args import active_config, active_impl, active_is_mla
 
     custom = sampling_params.custom_params
-    parse_override(custom, active_config())
+    params = parse_override(custom, active_config())
+    if params is not None and active_is_mla():
+        from sglang_ext.selection.mla import mla_unsupported
+
+        unsupported = mla_unsupported(params)
+        if unsupported:
+            key = unsupported[0][0]
+            raise ValueError(f"custom_params.{OVERRIDE_KEY}.{key} {getattr(params, key)!r} "
+                             "does not support MLA models (latent KV pool) yet")
     if custom and OVERRIDE_KEY in custom and active_impl() == "triton":
         # The batched kernels run one static configuration inside the CUDA graph: refuse
         # rather than silently decode with the server-wide settings.

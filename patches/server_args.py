@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from sglang_ext import config as sparse_config
 from sglang_ext.config import BACKEND_NAME
+from sglang_ext.selection.mla import is_mla_model, kv_layout, mla_unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -15,6 +16,7 @@ _CONFIG_ATTR = "_sglang_ext_config"
 TIER_DEFAULT_MAX_RUNNING = 32  # --max-running-requests with the CPU tier unless given
 _active: sparse_config.SparseConfig | None = None  # this process's config
 _active_impl: str | None = None  # the decode implementation this server runs, once known
+_active_mla = False  # whether this server's model has an MLA (latent) KV pool
 
 
 def _after_add_cli_args(result: Any, parser: argparse.ArgumentParser) -> None:
@@ -29,21 +31,27 @@ def _around_from_cli_args(original: Callable, cls: type, args: argparse.Namespac
     server_args = original(cls, args)
     attach_config(server_args, cfg)
     if uses_sparse_backend(server_args):
-        refuse_mla_models(server_args)
+        check_mla_model(server_args, cfg)
         _check_label_config(server_args, cfg)
         _check_head_policy(server_args, cfg)
         _check_eviction_head(server_args, cfg)
         _force_compatible_settings(server_args, cfg)
         from sglang_ext.attention.sparse_backend import resolve_impl
 
-        global _active_impl
+        global _active_impl, _active_mla
         _active_impl = resolve_impl(cfg, server_args.device)
+        _active_mla = is_mla_model(server_args.get_model_config())
     return server_args
 
 
 def active_impl() -> str | None:
     """The decode implementation of the server this (main) process launched, if ours."""
     return _active_impl
+
+
+def active_is_mla() -> bool:
+    """Whether the server this (main) process launched serves an MLA model with our backend."""
+    return _active_mla
 
 
 def attach_config(server_args: Any, cfg: sparse_config.SparseConfig) -> None:
@@ -84,17 +92,21 @@ def uses_sparse_backend(server_args: Any) -> bool:
     return BACKEND_NAME in names
 
 
-def refuse_mla_models(server_args: Any) -> None:
-    """MLA models (DeepSeek-V2/V3 and kin: one latent KV row per token) stop start-up in one line.
-    Their selection and kernels exist at the operator level (selection/mla.py, tests/
-    test_kernels_mla.py) but the backend does not decode MLA pools yet (issue 9); without this
-    check the first decode would fail deep inside the scheduler."""
-    from sglang.srt.configs.model_config import AttentionArch
-
-    if server_args.get_model_config().attention_arch == AttentionArch.MLA:
-        raise SystemExit(
-            "sglang_ext: MLA models (latent KV pool) are not served by --attention-backend "
-            "sglang_ext yet; use one of SGLang's MLA backends (e.g. --attention-backend triton)")
+def check_mla_model(server_args: Any, cfg: sparse_config.SparseConfig) -> None:
+    """MLA models (DeepSeek-V2/V3 and kin: one latent KV row per token) decode through the
+    backend on CUDA; what has no MLA version yet stops start-up in one line, not the first
+    decode deep inside the scheduler."""
+    if not is_mla_model(server_args.get_model_config()):
+        return
+    if server_args.device == "cpu":
+        # Their prefill takes SGLang's MHA path (per-head keys, latent rows written aside), which
+        # torch_native, our dense backend on a CPU, cannot run: it reads the keys from the pool.
+        raise SystemExit("sglang_ext: MLA models (latent KV pool) need a CUDA device with "
+                         "--attention-backend sglang_ext (torch_native cannot run their prefill)")
+    unsupported = mla_unsupported(cfg)
+    if unsupported:
+        raise SystemExit(f"sglang_ext: {unsupported[0][1]} does not support MLA models (latent "
+                         "KV pool) yet")
 
 
 def _check_label_config(server_args: Any, cfg: sparse_config.SparseConfig) -> None:
@@ -104,12 +116,13 @@ def _check_label_config(server_args: Any, cfg: sparse_config.SparseConfig) -> No
     from sglang_ext.selection.calibrate import load_label_config
 
     mc = server_args.get_model_config()
+    layout = kv_layout(mc)
     try:
         channels = load_label_config(
             cfg.label_config,
             num_layers=mc.num_hidden_layers,
-            num_kv_heads=mc.get_total_num_kv_heads(),
-            head_dim=mc.head_dim,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
         )
     except ValueError as e:
         raise SystemExit(f"sglang_ext: --sparse-label-config: {e}") from None
