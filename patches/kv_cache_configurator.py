@@ -41,7 +41,9 @@ def _tier_config(configurator: Any) -> Optional[Any]:
 def side_buffer_share(cfg: Any, head_dim: int, v_head_dim: int, kv_bytes: int) -> float:
     """Bytes of the batched decode's side buffers per byte of KV, per token (no tier): page
     summaries (kmin + kmax, in the KV dtype, float32 under an 8-bit KV) and, for methods that
-    score tokens by label channels with a label config, the label cache (KV dtype)."""
+    score tokens by label channels with a label config, the label cache (KV dtype).
+    ``v_head_dim`` counts the value dims stored beside the key: 0 for an MLA pool, whose one
+    row of R + P values per token is both (selection/mla.py's KVLayout)."""
     summary_bytes = kv_bytes if kv_bytes >= 2 else 4
     side = 2 * head_dim / cfg.block_size * summary_bytes
     if cfg.keeps_label_cache:
@@ -62,9 +64,11 @@ def _leave_room_for_side_buffers(self: Any, sizes: Any) -> Any:
         return sizes
     import msgspec
 
-    mc = self.model_config
+    from sglang_ext.selection.mla import kv_layout
+
+    layout = kv_layout(self.model_config)
     kv_bytes = self.kv_cache_dtype.itemsize if hasattr(self.kv_cache_dtype, "itemsize") else 2
-    share = side_buffer_share(cfg, mc.head_dim, mc.v_head_dim, kv_bytes)
+    share = side_buffer_share(cfg, layout.head_dim, layout.stored_v_dims, kv_bytes)
     page = server_args.page_size or 1
     tokens = int(sizes.max_total_num_tokens / (1.0 + share)) // page * page
     logger.info("sglang_ext: %d KV slots instead of %d leave room for the page summaries and "

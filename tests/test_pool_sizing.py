@@ -28,7 +28,7 @@ def test_side_buffer_share():
     assert side_buffer_share(two_level, 128, 128, 1) == pytest.approx((32 + 16) / 256)
 
 
-def _configurator(device: str, max_total_tokens=None, tier: str = "off"):
+def _configurator(device: str, max_total_tokens=None, tier: str = "off", model_config=None):
     server_args = SimpleNamespace(
         attention_backend="sglang_ext", decode_attention_backend=None,
         prefill_attention_backend=None, max_total_tokens=max_total_tokens, device=device,
@@ -36,7 +36,8 @@ def _configurator(device: str, max_total_tokens=None, tier: str = "off"):
     attach_config(server_args, build_config(method="two_level", block_size=32,
                                             label_channels=16, label_config=__file__, tier=tier))
     return SimpleNamespace(server_args=server_args, is_hybrid_swa=False,
-                           model_config=SimpleNamespace(head_dim=128, v_head_dim=128),
+                           model_config=model_config or SimpleNamespace(
+                               head_dim=128, v_head_dim=128, get_total_num_kv_heads=lambda: 8),
                            kv_cache_dtype=torch.bfloat16)
 
 
@@ -62,3 +63,17 @@ def test_pool_shrinks_by_the_side_buffers_on_cuda_only():
     for configurator in (_configurator("cpu"), _configurator("cuda", max_total_tokens=4096)):
         sizes = _around_derive_pool_sizes(original, configurator, config=None)
         assert sizes.max_total_num_tokens == profiled
+
+
+def test_mla_pool_shrinks_by_its_latent_row_share():
+    """An MLA pool stores one row of R + P values per token (V is its latent view): page
+    summaries are 2 (R + P) / block values per token, the label cache r, against R + P."""
+    from sglang.srt.configs.model_config import AttentionArch
+
+    mla = SimpleNamespace(attention_arch=AttentionArch.MLA, kv_lora_rank=512, qk_rope_head_dim=64,
+                          head_dim=256, v_head_dim=128)  # head_dims of the MHA-path prefill
+    profiled = 1_000_000
+    sizes = _around_derive_pool_sizes(lambda self, *, config: _sizes(profiled),
+                                      _configurator("cuda", model_config=mla), config=None)
+    share = (2 * 576 / 32 + 16) / 576
+    assert sizes.max_total_num_tokens == int(profiled / (1 + share)) // 32 * 32
