@@ -1,0 +1,237 @@
+"""NOSA's locality constraint in the batched decode (kernels/locality.py through
+kernels/sparse_decode.py) against the per-request oracle ``select_token_mask_locality``, over a
+multi-step decode trace of several requests of different lengths (one starts within the budget
+and turns sparse mid-trace): the same selected token sets per (request, kv head) every step, the
+attention output within tolerance, the same kept sets E_t, the same γ(t); the eviction rule holds
+on the kernel state (a dropped block never returns) and γ(t) >= k_e / k. The KV, its page
+summaries and its page eviction scores are written the way a server writes them (a prompt in
+chunks that split pages, then one token per step), over pages holding stale state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import pytest
+import torch
+
+from sglang_ext.kernels.block_summary import update_block_summaries
+from sglang_ext.kernels.locality import (
+    LocalityKernelState,
+    eviction_head_tensors,
+    pooled_page_scores_ref,
+    update_eviction_page_scores,
+)
+from sglang_ext.kernels.sparse_decode import (
+    SparseDecodeWorkspace,
+    select_slots_batched,
+    sparse_decode_batched,
+)
+from sglang_ext.kernels.testing import case_generator, make_paged_batch, random_values
+from sglang_ext.selection.eviction_head import EvictionHeads
+from sglang_ext.selection.locality import LocalityState, select_token_mask_locality
+from sglang_ext.selection.reference import SelectionParams, sparse_attention
+
+HQ, HKV, D, BS = 4, 2, 16, 4
+# sink 3: the first middle block is partial; n_sel = 31 tokens (7 whole blocks); k_e = 3;
+# (8 + 3) candidate blocks hold more tokens than n_sel, so the token top-k chooses.
+PARAMS = SelectionParams("two_level", 40, BS, 8, 3, 6, locality_blocks=3,
+                         eviction_score="key_norm")
+SCALE = D ** -0.5
+
+
+@dataclass
+class Trace:
+    """A paged pool holding every request's final KV; ``written`` positions are 'in the pool'
+    as far as the summaries and page scores know."""
+
+    pb: object
+    starts: list[int]
+    kmin: torch.Tensor = None
+    kmax: torch.Tensor = None
+    page_scores: torch.Tensor = None
+    channels: torch.Tensor = None
+    qs: list[torch.Tensor] = field(default_factory=list)
+
+
+def _write(trace: Trace, positions: list[list[int]], params: SelectionParams, head) -> None:
+    """Write the given positions of each request (one call, like one SGLang batch)."""
+    pb = trace.pb
+    loc = torch.cat([pb.req_to_token[int(pb.req_pool_indices[b]), torch.tensor(p)].long()
+                     for b, p in enumerate(positions) if p])
+    update_block_summaries(trace.kmin, trace.kmax, pb.k_buffer[loc], loc, BS)
+    if trace.page_scores is not None:
+        x = pb.v_buffer[loc] if params.eviction_score == "learned" else pb.k_buffer[loc]
+        update_eviction_page_scores(trace.page_scores, x, loc, BS, params.eviction_score, head)
+
+
+def _trace(name: str, starts: list[int], steps: int, params: SelectionParams, head,
+           page_scores: torch.Tensor | None) -> Trace:
+    gen = case_generator("locality-kernels", name)
+    pb = make_paged_batch(gen, [s + steps for s in starts], HKV, D, BS, summary_chunks=0)
+    num_pages = pb.k_buffer.shape[0] // BS
+    trace = Trace(pb, starts)
+    # stale summaries and page scores, as pages freed by earlier requests have
+    trace.kmin = torch.randn(num_pages, HKV, D, generator=gen) - 5
+    trace.kmax = torch.randn(num_pages, HKV, D, generator=gen) + 5
+    if page_scores is not None:
+        trace.page_scores = page_scores
+        trace.page_scores.copy_(torch.randn(page_scores.shape, generator=gen) * 50)
+    # the prompts (all but their last token), in two calls that split pages
+    cut = [int(torch.randint(1, s - 1, (1,), generator=gen)) for s in starts]
+    _write(trace, [list(range(c)) for c in cut], params, head)
+    _write(trace, [list(range(c, s - 1)) for c, s in zip(cut, starts)], params, head)
+    trace.channels = torch.stack([torch.randperm(D, generator=gen)[:5] for _ in range(HKV)])
+    trace.qs = [random_values(gen, len(starts), HQ, D) for _ in range(steps)]
+    return trace
+
+
+def _heads(seed: int) -> EvictionHeads:
+    return EvictionHeads(1, HKV, D, generator=torch.Generator().manual_seed(seed))
+
+
+def _evicted(state: LocalityKernelState, row: int, g: int, first: int) -> set[int]:
+    """Blocks seen and not kept, from the kernel state."""
+    kept = {int(x) for x in state.keep_ids[0, row, g] if x >= 0}
+    return set(range(first, int(state.seen_upto[0, row, g]) + 1)) - kept
+
+
+def _run(name: str, params: SelectionParams, starts: list[int], steps: int,
+         heads: EvictionHeads | None = None) -> list[list[float]]:
+    """Kernels vs oracle over the trace; returns the γ(t) the kernels measured per request."""
+    k_e = params.locality_blocks
+    head = eviction_head_tensors(heads, 0) if heads is not None else None
+    rows = None
+    state = None
+    if k_e:
+        probe = make_paged_batch(case_generator("locality-kernels", name),
+                                 [s + steps for s in starts], HKV, D, BS, summary_chunks=0)
+        rows = probe.req_to_token.shape[0]
+        state = LocalityKernelState(num_layers=1, rows=rows, num_kv_heads=HKV, k_e=k_e,
+                                    max_blocks=probe.max_blocks,
+                                    num_slots=probe.k_buffer.shape[0], page_size=BS, device="cpu")
+    trace = _trace(name, starts, steps, params, head,
+                   state.page_scores[0] if state is not None else None)
+    pb = trace.pb
+    batch = len(starts)
+    ws = SparseDecodeWorkspace(batch + 1, HQ, HKV, D, params, pb.max_blocks, "cpu",
+                               torch.float32)
+    ref_states = [LocalityState(num_kv_heads=HKV) for _ in starts]
+    gammas: list[list[float]] = [[] for _ in starts]
+    evicted_before: dict[tuple[int, int], set[int]] = {}
+    first = params.sink // BS
+    for t in range(steps):
+        lens = [s + t for s in starts]
+        _write(trace, [[n - 1] for n in lens], params, head)  # this step's token
+        # one padding entry (row 0, length 1), as SGLang's CUDA graphs add
+        rows_t = torch.cat([pb.req_pool_indices, torch.zeros(1, dtype=torch.int64)])
+        lens_t = torch.tensor(lens + [1], dtype=torch.int32)
+        q = torch.cat([trace.qs[t], trace.qs[t][:1]])
+        out = sparse_decode_batched(
+            q, pb.k_buffer, pb.v_buffer, pb.req_to_token, rows_t, lens_t, trace.kmin,
+            trace.kmax, params, SCALE, channels=trace.channels, workspace=ws,
+            locality=state.layer(0) if state is not None else None)
+        if state is None:  # positions are only kept for γ: ask for them
+            select_slots_batched(q, pb.k_buffer, pb.req_to_token, rows_t, lens_t, trace.kmin,
+                                 trace.kmax, params, channels=trace.channels, workspace=ws,
+                                 return_positions=True)
+        positions = ws.positions[:batch].clone()
+        for b, length in enumerate(lens):
+            row = int(pb.req_pool_indices[b])
+            idx = pb.req_to_token[row, :length].long()
+            keys, values = pb.k_buffer[idx], pb.v_buffer[idx]
+            n_before = len(ref_states[b].locality)
+            mask = select_token_mask_locality(
+                trace.qs[t][b], keys, params, ref_states[b], k_e, trace.channels,
+                params.eviction_score, values, None if heads is None else heads.layer(0))
+            where = f"step {t} request {b} (L={length})"
+            for g in range(HKV):
+                got = positions[b, g][positions[b, g] >= 0].long().sort().values
+                assert torch.equal(got, mask[g].nonzero().flatten()), f"{where} head {g}"
+            torch.testing.assert_close(out[b], sparse_attention(trace.qs[t][b], keys, values,
+                                                                mask, SCALE),
+                                       rtol=1e-4, atol=1e-5)
+            if state is None:
+                continue
+            if length > params.budget:
+                ref_keep = ref_states[b].keep
+                for g in range(HKV):
+                    kept = sorted(int(x) for x in state.keep_ids[0, row, g] if x >= 0)
+                    assert kept == ref_keep[g].nonzero().flatten().tolist(), f"{where} E_t"
+                    evicted = _evicted(state, row, g, first)
+                    assert not (evicted_before.get((b, g), set()) & set(kept)), "came back"
+                    assert evicted >= evicted_before.get((b, g), set())
+                    evicted_before[b, g] = evicted
+            measured = float(ws.gamma[b])
+            if len(ref_states[b].locality) > n_before:
+                assert measured == pytest.approx(ref_states[b].locality[-1], abs=1e-6), where
+                gammas[b].append(measured)
+            else:
+                assert measured == -1.0, where
+        if state is not None:
+            assert float(ws.gamma[batch]) == -1.0  # the padding entry is never measured
+    return gammas
+
+
+def _floor(params: SelectionParams) -> float:
+    """NOSA's bound k_e / k, k = most blocks one step can attend: the sink's and window's
+    blocks (one more where they straddle), the k_e blocks, one per query-aware token."""
+    p = params
+    n_q = p.budget - p.sink - p.window - p.locality_blocks * p.block_size
+    k = -(-p.sink // p.block_size) + -(-p.window // p.block_size) + 1 + p.locality_blocks + n_q
+    return p.locality_blocks / k
+
+
+@pytest.mark.parametrize("kind", ["key_norm", "learned"])
+def test_batched_locality_equals_the_oracle_over_a_decode_trace(kind):
+    params = replace(PARAMS, eviction_score=kind)
+    heads = _heads(11) if kind == "learned" else None
+    gammas = _run(kind, params, starts=[33, 58, 83], steps=14, heads=heads)
+    assert all(gammas), "every request was measured"
+    assert min(g for per in gammas for g in per) >= _floor(params)
+
+
+def test_ke_zero_is_two_level():
+    """Without the constraint the batched two_level is the oracle's k_e = 0 selection."""
+    _run("ke0", replace(PARAMS, locality_blocks=0), starts=[45, 70], steps=4)
+
+
+def test_page_scores_pool_like_the_oracle():
+    """Complete pages' scores (written in chunks over stale pages) are NOSA's two-stage pooled
+    token scores: key norms, and the eviction head of the values."""
+    gen = case_generator("locality-page-scores")
+    heads = _heads(3)
+    for kind in ("key_norm", "learned"):
+        pb = make_paged_batch(gen, [37, 64], HKV, D, BS, summary_chunks=0)
+        state = LocalityKernelState(num_layers=1, rows=pb.req_to_token.shape[0],
+                                    num_kv_heads=HKV, k_e=1, max_blocks=pb.max_blocks,
+                                    num_slots=pb.k_buffer.shape[0], page_size=BS, device="cpu")
+        scores = state.page_scores[0]
+        scores.copy_(torch.randn(scores.shape, generator=gen) * 50)
+        head = eviction_head_tensors(heads, 0) if kind == "learned" else None
+        for b, length in enumerate(pb.lens):
+            idx = pb.req_to_token[int(pb.req_pool_indices[b]), :length].long()
+            for lo, hi in ((0, 5), (5, 6), (6, 19), (19, length)):  # chunks splitting pages
+                loc = idx[lo:hi]
+                x = pb.v_buffer[loc] if kind == "learned" else pb.k_buffer[loc]
+                update_eviction_page_scores(scores, x, loc, BS, kind, head)
+            full = length // BS * BS
+            if kind == "learned":
+                token = heads.token_scores(0, pb.v_buffer[idx[:full]])
+            else:
+                token = pb.k_buffer[idx[:full]].float().norm(dim=2).T
+            want = pooled_page_scores_ref(token, BS)  # [Hkv, blocks]
+            pages = idx[:full:BS] // BS
+            torch.testing.assert_close(scores[pages, :, 0].T, want, rtol=1e-5, atol=1e-6)
+
+
+def test_new_request_in_a_reused_row_starts_clean():
+    """reset_rows forgets the kept sets, the watermark and the γ bitmap of a row."""
+    state = LocalityKernelState(num_layers=2, rows=4, num_kv_heads=HKV, k_e=2, max_blocks=40,
+                                num_slots=64, page_size=BS, device="cpu")
+    state.keep_ids.fill_(7)
+    state.seen_upto.fill_(9)
+    state.prev_attended.fill_(3)
+    state.reset_rows(torch.tensor([2]))
+    assert (state.keep_ids[:, 2] == -1).all() and (state.seen_upto[:, 2] == -1).all()
+    assert (state.prev_attended[:, 2] == 0).all()
+    assert (state.keep_ids[:, 1] == 7).all() and (state.prev_attended[:, 3] == 3).all()
