@@ -235,3 +235,111 @@ def test_new_request_in_a_reused_row_starts_clean():
     assert (state.keep_ids[:, 2] == -1).all() and (state.seen_upto[:, 2] == -1).all()
     assert (state.prev_attended[:, 2] == 0).all()
     assert (state.keep_ids[:, 1] == 7).all() and (state.prev_attended[:, 3] == 3).all()
+
+
+# ------------------------------------------------------------------- through the backend
+
+
+class _Extend:
+    def is_decode_or_idle(self) -> bool:
+        return False
+
+    def is_idle(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("kind", ["key_norm", "learned"])
+def test_backend_kernel_decode_with_locality(kind, tmp_path, monkeypatch):
+    """The backend's batched (triton) decode with --sparse-locality-blocks, two layers: KV and
+    page scores written by prefill and decode, a row reused by a new request mid-trace (its
+    state starts clean), every step's output equal to the oracle's per (request, layer), and
+    γ read from the device into the metrics."""
+    from types import SimpleNamespace
+
+    from fake_backend import DecodeMode, FakePool
+    from sglang_ext.attention import sparse_backend
+    from sglang_ext.config import build_config
+    from sglang_ext.selection.eviction_head import save_eviction_heads
+
+    monkeypatch.setattr(sparse_backend, "LOCALITY_READ_EVERY", 1)
+    layers, slots = 2, 1024
+    gen = case_generator("locality-backend", kind)
+    heads = EvictionHeads(layers, HKV, D, generator=gen)
+    path = tmp_path / "heads.safetensors"
+    save_eviction_heads(heads, path, model="tiny")
+    cfg = build_config(budget=40, block_size=BS, sink=3, window=6, candidate_blocks=8,
+                       locality_blocks=3, eviction_score=kind, impl="triton",
+                       eviction_head=str(path) if kind == "learned" else None)
+    params = replace(PARAMS, eviction_score=kind)
+    pool = FakePool([torch.full((slots, HKV, D), 40.0) for _ in range(layers)],
+                    [torch.full((slots, HKV, D), -40.0) for _ in range(layers)])
+    pool.head_num, pool.v_head_dim = HKV, D
+    runner = SimpleNamespace(
+        device="cpu", token_to_kv_pool=pool, dtype=torch.float32,
+        server_args=SimpleNamespace(page_size=BS, enable_metrics=False),
+        req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(4, 128, dtype=torch.int32)),
+        model_config=SimpleNamespace(num_hidden_layers=layers, head_dim=D,
+                                     num_attention_heads=HQ, get_total_num_kv_heads=lambda: HKV))
+    backend = sparse_backend.SparseDecodeBackend(runner, cfg)
+    observed = []
+    backend._locality_metrics = SimpleNamespace(observe_many=lambda *a: observed.append(a))
+
+    def write(l, loc):
+        pool.k[l][loc] = torch.randn(len(loc), HKV, D, generator=gen)
+        pool.v[l][loc] = torch.randn(len(loc), HKV, D, generator=gen)
+        return pool.k[l][loc].reshape(len(loc), -1), pool.v[l][loc].reshape(len(loc), -1)
+
+    backend._dense = SimpleNamespace(  # the dense delegate: the prompt's KV is written here
+        init_forward_metadata=lambda fb: None,
+        forward_extend=lambda q, k, v, layer, fb, **kw: torch.zeros(q.shape[0], HQ * D))
+    layer_objs = [SimpleNamespace(layer_id=l, tp_q_head_num=HQ, tp_k_head_num=HKV,
+                                  qk_head_dim=D, v_head_dim=D, scaling=SCALE)
+                  for l in range(layers)]
+    table = runner.req_to_token_pool.req_to_token
+    lengths: dict[int, int] = {}
+    oracle: dict[tuple[int, int], LocalityState] = {}
+
+    def prefill(row: int, base: int, length: int) -> None:
+        table[row] = torch.arange(base, base + 128, dtype=torch.int32)
+        loc = table[row, :length - 1].long()
+        batch = SimpleNamespace(forward_mode=_Extend(), req_pool_indices=torch.tensor([row]),
+                                out_cache_loc=loc)
+        backend.init_forward_metadata(batch)
+        for l, layer in enumerate(layer_objs):
+            k, v = write(l, loc)
+            backend.forward_extend(torch.zeros(len(loc), HQ * D), k, v, layer, batch)
+            oracle[row, l] = LocalityState(num_kv_heads=HKV)
+        lengths[row] = length - 1
+
+    def decode(rows: list[int]) -> None:
+        for row in rows:
+            lengths[row] += 1
+        lens = torch.tensor([lengths[r] for r in rows], dtype=torch.int32)
+        loc = torch.stack([table[r, lengths[r] - 1] for r in rows]).long()
+        batch = SimpleNamespace(forward_mode=DecodeMode(), req_pool_indices=torch.tensor(rows),
+                                seq_lens=lens, seq_lens_cpu=lens, out_cache_loc=loc)
+        backend.init_forward_metadata(batch)
+        for l, layer in enumerate(layer_objs):
+            q = torch.randn(len(rows), HQ * D, generator=gen)
+            k, v = torch.randn(len(rows), HKV * D, generator=gen), torch.randn(
+                len(rows), HKV * D, generator=gen)
+            out = backend.forward_decode(q, k, v, layer, batch).view(len(rows), HQ, D)
+            for i, row in enumerate(rows):
+                idx = table[row, :lengths[row]].long()
+                keys, values = pool.k[l][idx], pool.v[l][idx]
+                qi = q[i].view(HQ, D)
+                mask = select_token_mask_locality(qi, keys, params, oracle[row, l], 3, None,
+                                                  kind, values, heads.layer(l))
+                torch.testing.assert_close(out[i], sparse_attention(qi, keys, values, mask,
+                                                                    SCALE),
+                                           rtol=1e-4, atol=1e-5)
+
+    prefill(1, 4 * BS, 50)
+    prefill(2, 40 * BS, 37)
+    for _ in range(5):
+        decode([1, 2])
+    prefill(2, 80 * BS, 60)  # row 2 now holds a new request
+    for _ in range(4):
+        decode([2, 1])
+    assert observed and sum(count for _, count, _ in observed) > 0
+    assert min(minimum for _, _, minimum in observed) >= _floor(params)

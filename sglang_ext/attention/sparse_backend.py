@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 TIER_LOG_EVERY = 256  # decode steps between two log lines of the CPU tier's counters
 LOCALITY_LOG_EVERY = 512  # (request, layer) selections between two locality log lines
+LOCALITY_READ_EVERY = 64  # decode steps between two reads of the CUDA locality γ counters
 GUARD_REPORT_EVERY = 128  # decode steps between two reads of the CUDA guard's counters
 
 
@@ -155,6 +156,12 @@ class SparseDecodeBackend(AttentionBackend):
         self._tier_steps = 0
         self._locality_steps = 0
         self._locality_metrics = None
+        # NOSA's locality constraint in the batched decode (kernels/locality.py): device state
+        # by request row and KV page, and the γ counters read every LOCALITY_READ_EVERY steps.
+        self.locality: Optional[Any] = None
+        self._locality_heads: Optional[list[Any]] = None
+        self._locality_kernel_steps = 0
+        self._locality_log_totals = [0.0, 0, float("inf")]
         # NOSA's trained eviction heads (--sparse-eviction-head), this rank's kv heads.
         self.eviction_heads = self._load_eviction_heads(model_runner, config)
         # Any request may ask for the locality constraint (custom_params), so always export it.
@@ -184,6 +191,8 @@ class SparseDecodeBackend(AttentionBackend):
             self.labels = self._allocate_label_cache()
             if self.guard is not None:
                 self._allocate_guard_state()
+            if config.locality_blocks > 0:
+                self._allocate_locality_state()
 
     # ------------------------------------------------------------------ set-up
 
@@ -225,6 +234,51 @@ class SparseDecodeBackend(AttentionBackend):
             head_dim=pool.get_key_buffer(pool.start_layer).shape[-1],
             min_len=self.guard.max_budget, max_context=req_to_token.shape[1], device=dev,
         )
+
+    def _allocate_locality_state(self) -> None:
+        """Device state of the locality constraint for the batched decode: per request row the
+        kept sets, the seen watermark and the γ bitmaps; per KV page (logical, like the page
+        summaries) the eviction scores; for ``learned`` each layer's eviction-head tensors."""
+        from sglang_ext.kernels.locality import LocalityKernelState, eviction_head_tensors
+
+        pool = self.token_to_kv_pool
+        req_to_token = self.req_to_token_pool.req_to_token
+        bs = self.config.block_size
+        k0 = pool.get_key_buffer(pool.start_layer)
+        self.locality = LocalityKernelState(
+            num_layers=pool.layer_num, rows=req_to_token.shape[0], num_kv_heads=pool.head_num,
+            k_e=self.config.locality_blocks, max_blocks=-(-req_to_token.shape[1] // bs),
+            num_slots=getattr(pool, "logical_size", k0.shape[0] - bs) + bs, page_size=bs,
+            device=self.device,
+        )
+        if self.config.eviction_score == "learned":
+            self._locality_heads = [
+                eviction_head_tensors(self.eviction_heads, pool.start_layer + i)
+                for i in range(pool.layer_num)
+            ]
+        logger.info("sglang_ext locality: k_e=%d blocks, %s score, %.2f GiB of device state",
+                    self.config.locality_blocks, self.config.eviction_score,
+                    self.locality.nbytes() / 2**30)
+
+    def _locality_report(self) -> None:
+        """Batched decode: now and then read the γ counters (a host sync), export them, and
+        log their running summary."""
+        self._locality_kernel_steps += 1
+        if self._locality_kernel_steps % LOCALITY_READ_EVERY:
+            return
+        total, count, minimum = self.locality.take_gamma_stats()
+        if count == 0:
+            return
+        if self._locality_metrics is not None:
+            self._locality_metrics.observe_many(total, count, minimum)
+        log = self._locality_log_totals
+        log[0] += total
+        log[1] += count
+        log[2] = min(log[2], minimum)
+        if log[1] >= LOCALITY_LOG_EVERY:
+            logger.info("sglang_ext locality: %d selections gamma mean %.3f min %.3f (k_e=%d)",
+                        log[1], log[0] / log[1], log[2], self.config.locality_blocks)
+            self._locality_log_totals = [0.0, 0, float("inf")]
 
     def _rank_q_heads(self) -> int:
         """Query heads this rank computes (all of them without --tp)."""
@@ -314,6 +368,8 @@ class SparseDecodeBackend(AttentionBackend):
                 self.decode_metadata = None
                 if self.guard is not None and not mode.is_idle():
                     self._guard_step_control()
+                if self.locality is not None and not mode.is_idle():
+                    self._locality_report()
                 return
             seq_lens_cpu = forward_batch.seq_lens_cpu
             if seq_lens_cpu is None:
@@ -332,6 +388,9 @@ class SparseDecodeBackend(AttentionBackend):
         else:
             if self.guard is not None:
                 self._guard_reset_rows(forward_batch)
+            if self.locality is not None:
+                # A request being prefilled starts with no kept set (rows are reused).
+                self.locality.reset_rows(forward_batch.req_pool_indices)
             self._dense_backend().init_forward_metadata(forward_batch)
 
     # ---------------------------------------------------------- accuracy guard
@@ -476,7 +535,7 @@ class SparseDecodeBackend(AttentionBackend):
                 q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs
             )
         if self.summaries is not None and save_kv_cache and k is not None:
-            self._update_summaries(layer, k, forward_batch)
+            self._update_summaries(layer, k, v, forward_batch)
         return out
 
     def _has_one_token_extends(self, layer: RadixAttention, forward_batch: ForwardBatch) -> bool:
@@ -566,18 +625,18 @@ class SparseDecodeBackend(AttentionBackend):
             )
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         if self.impl == "triton":
-            return self._forward_decode_kernels(q, k, layer, forward_batch, save_kv_cache)
+            return self._forward_decode_kernels(q, k, v, layer, forward_batch, save_kv_cache)
         return self._forward_decode_reference(q, layer)
 
     def _forward_decode_kernels(
-        self, q: torch.Tensor, k: Optional[torch.Tensor], layer: RadixAttention,
-        forward_batch: ForwardBatch, save_kv_cache: bool,
+        self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+        layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool,
     ) -> torch.Tensor:
         from sglang_ext.kernels.sparse_decode import sparse_decode_batched
 
         layer_index = self._layer_index(layer)
         if save_kv_cache and k is not None:
-            self._update_summaries(layer, k, forward_batch)
+            self._update_summaries(layer, k, v, forward_batch)
         channels = None if self.label_channels is None else self.label_channels[layer.layer_id]
         k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_buffer = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
@@ -612,6 +671,7 @@ class SparseDecodeBackend(AttentionBackend):
             labels=None if self.labels is None else self.labels[layer_index],
             return_lse=guard,
             row_ks=self._guard_row_ks if guard else None,
+            locality=None if self.locality is None else self.locality.layer(layer_index),
             **tier_args,
         )
         if guard:
@@ -652,11 +712,24 @@ class SparseDecodeBackend(AttentionBackend):
         self._workspaces.append(workspace)
         return workspace
 
-    def _update_summaries(self, layer: RadixAttention, k: torch.Tensor, forward_batch: ForwardBatch) -> None:
-        """Fold the keys just written (prefill or decode) into their pages' min/max, and store
-        their label channels in the label cache."""
+    def _update_summaries(self, layer: RadixAttention, k: torch.Tensor, v: Optional[torch.Tensor],
+                          forward_batch: ForwardBatch) -> None:
+        """Fold the keys just written (prefill or decode) into their pages' min/max, store
+        their label channels in the label cache, and (locality constraint) fold their eviction
+        scores into their pages' (key norms, or the eviction head of the values)."""
         keys = k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim)
         self.summaries.update(self._layer_index(layer), keys, forward_batch.out_cache_loc)
+        if self.locality is not None:
+            from sglang_ext.kernels.locality import update_eviction_page_scores
+
+            index = self._layer_index(layer)
+            x, head = keys, None
+            if self._locality_heads is not None:  # learned: the values' eviction head
+                x = v.reshape(-1, layer.tp_k_head_num, layer.v_head_dim)
+                head = self._locality_heads[index]
+            update_eviction_page_scores(self.locality.page_scores[index], x,
+                                        forward_batch.out_cache_loc, self.config.block_size,
+                                        self.config.eviction_score, head)
         if self.labels is not None:
             from sglang_ext.kernels.label_cache import update_label_cache
 
