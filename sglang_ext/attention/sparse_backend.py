@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -50,7 +51,8 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-TIER_LOG_EVERY = 256  # decode steps between two log lines of the CPU tier's counters
+# decode steps between two log lines of the CPU tier's counters (benchmarks log more often)
+TIER_LOG_EVERY = int(os.environ.get("SGLANG_EXT_TIER_LOG_EVERY", "256"))
 LOCALITY_LOG_EVERY = 512  # (request, layer) selections between two locality log lines
 LOCALITY_READ_EVERY = 64  # decode steps between two reads of the CUDA locality γ counters
 GUARD_REPORT_EVERY = 128  # decode steps between two reads of the CUDA guard's counters
@@ -170,13 +172,15 @@ class SparseDecodeBackend(AttentionBackend):
 
             self._locality_metrics = LocalityMetrics()
         self._tier_metrics = None
+        self._tier_page_bytes = 0  # K + V bytes of one (layer, kv head) block the tier moves
+        if self.tiered is not None:
+            pool = self.tiered
+            self._tier_page_bytes = pool.layout.page_size * (pool.head_dim + pool.v_head_dim) \
+                * pool.k_buffer[0].element_size()
         if self.tiered is not None and getattr(model_runner.server_args, "enable_metrics", False):
             from sglang_ext.memory_tier.metrics import TierMetrics
 
-            pool = self.tiered
-            self._tier_metrics = pool.metrics = TierMetrics(
-                page_bytes=pool.layout.page_size * (pool.head_dim + pool.v_head_dim)
-                * pool.k_buffer[0].element_size())
+            self._tier_metrics = self.tiered.metrics = TierMetrics(page_bytes=self._tier_page_bytes)
         if self.tiered is not None:
             self.tiered.bind(self.req_to_token_pool.req_to_token)
             self.needs_cpu_seq_lens = True  # host-side lengths start a request's decoding
@@ -493,7 +497,10 @@ class SparseDecodeBackend(AttentionBackend):
                 if metrics_now:
                     self._tier_metrics.update(occupancy)
                 if log_now:
-                    logger.info("sglang_ext tier stats: %s", json.dumps(occupancy))
+                    # cumulative: bytes per decode step = transferred_bytes / decode_steps
+                    logger.info("sglang_ext tier stats: %s", json.dumps(dict(
+                        occupancy, decode_steps=self._tier_steps,
+                        transferred_bytes=occupancy["transferred_blocks"] * self._tier_page_bytes)))
             if self._tier_verify:
                 pool.verify_mappings(req_to_token, forward_batch.req_pool_indices.tolist(),
                                      forward_batch.seq_lens_cpu.tolist())
