@@ -54,7 +54,7 @@ from sglang_ext.selection.eviction_head import SUB_BLOCK
 from sglang_ext.selection.locality import two_stage_pool
 
 KERNEL_SCORE_KINDS = ("key_norm", "learned")  # "attention" needs the step's probabilities
-_NO_BLOCK = 1 << 30  # id of an empty lane: loses every tie
+_NO_BLOCK = tl.constexpr(1 << 30)  # id of an empty lane: loses every tie
 
 
 def sub_block_size(block_size: int) -> int:
@@ -343,11 +343,13 @@ def _locality_gamma_kernel(
     NUM_KV_HEADS: tl.constexpr,
     NUM_WORDS: tl.constexpr,
     WORD_BLOCK: tl.constexpr,
+    WORD_TILES: tl.constexpr,
     POS_BLOCK: tl.constexpr,
+    POS_TILES: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     seq_len = tl.load(SEQ_LENS + b)
-    gamma = -1.0
+    gamma = tl.full([], -1.0, tl.float32)
     if seq_len > BUDGET:
         row = tl.load(REQ_POOL_INDICES + b).to(tl.int64)
         share_sum = tl.zeros([], tl.float32)
@@ -355,11 +357,11 @@ def _locality_gamma_kernel(
         for g in range(NUM_KV_HEADS):
             cur = CUR + b * stride_cb + g * stride_cg
             prev = PREV + row * stride_pr + g * stride_pg
-            for wt in range(tl.cdiv(NUM_WORDS, WORD_BLOCK)):
+            for wt in range(WORD_TILES):
                 w = wt * WORD_BLOCK + tl.arange(0, WORD_BLOCK)
                 tl.store(cur + w, tl.zeros([WORD_BLOCK], tl.int32), mask=w < NUM_WORDS)
             tl.debug_barrier()
-            for jt in range(tl.cdiv(BUDGET, POS_BLOCK)):
+            for jt in range(POS_TILES):
                 j = jt * POS_BLOCK + tl.arange(0, POS_BLOCK)
                 at = b * stride_sb + g * stride_sg + j
                 pos = tl.load(POSITIONS + at, mask=j < BUDGET, other=-1)
@@ -377,7 +379,7 @@ def _locality_gamma_kernel(
             now = tl.zeros([], tl.int64)
             both = tl.zeros([], tl.int64)
             prev_any = tl.zeros([], tl.int32)
-            for wt in range(tl.cdiv(NUM_WORDS, WORD_BLOCK)):
+            for wt in range(WORD_TILES):
                 w = wt * WORD_BLOCK + tl.arange(0, WORD_BLOCK)
                 wm = w < NUM_WORDS
                 c = tl.load(cur + w, mask=wm, other=0)
@@ -410,14 +412,16 @@ def locality_gamma_batched(
     if batch == 0:
         return
     words = state.prev_attended.shape[-1]
+    word_block = min(1024, triton.next_power_of_2(words))
+    pos_block = min(1024, triton.next_power_of_2(budget))
     _locality_gamma_kernel[(batch,)](
         state.prev_attended, scratch, positions, slots, req_pool_indices, seq_lens,
         state.gamma_stats, gamma_out,
         state.prev_attended.stride(0), state.prev_attended.stride(1), scratch.stride(0),
         scratch.stride(1), positions.stride(0), positions.stride(1),
         BUDGET=budget, BLOCK_SIZE=params.block_size, NUM_KV_HEADS=num_kv_heads,
-        NUM_WORDS=words, WORD_BLOCK=min(1024, triton.next_power_of_2(words)),
-        POS_BLOCK=min(1024, triton.next_power_of_2(budget)), num_warps=4,
+        NUM_WORDS=words, WORD_BLOCK=word_block, WORD_TILES=triton.cdiv(words, word_block),
+        POS_BLOCK=pos_block, POS_TILES=triton.cdiv(budget, pos_block), num_warps=4,
     )
 
 

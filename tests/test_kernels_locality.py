@@ -56,7 +56,9 @@ class Trace:
 def _write(trace: Trace, positions: list[list[int]], params: SelectionParams, head) -> None:
     """Write the given positions of each request (one call, like one SGLang batch)."""
     pb = trace.pb
-    loc = torch.cat([pb.req_to_token[int(pb.req_pool_indices[b]), torch.tensor(p)].long()
+    dev = pb.k_buffer.device
+    loc = torch.cat([pb.req_to_token[int(pb.req_pool_indices[b]),
+                                      torch.tensor(p, device=dev)].long()
                      for b, p in enumerate(positions) if p])
     update_block_summaries(trace.kmin, trace.kmax, pb.k_buffer[loc], loc, BS)
     if trace.page_scores is not None:
@@ -65,14 +67,15 @@ def _write(trace: Trace, positions: list[list[int]], params: SelectionParams, he
 
 
 def _trace(name: str, starts: list[int], steps: int, params: SelectionParams, head,
-           page_scores: torch.Tensor | None) -> Trace:
+           page_scores: torch.Tensor | None, device: str = "cpu") -> Trace:
     gen = case_generator("locality-kernels", name)
-    pb = make_paged_batch(gen, [s + steps for s in starts], HKV, D, BS, summary_chunks=0)
+    pb = make_paged_batch(gen, [s + steps for s in starts], HKV, D, BS, summary_chunks=0,
+                          device=device)
     num_pages = pb.k_buffer.shape[0] // BS
     trace = Trace(pb, starts)
     # stale summaries and page scores, as pages freed by earlier requests have
-    trace.kmin = torch.randn(num_pages, HKV, D, generator=gen) - 5
-    trace.kmax = torch.randn(num_pages, HKV, D, generator=gen) + 5
+    trace.kmin = (torch.randn(num_pages, HKV, D, generator=gen) - 5).to(device)
+    trace.kmax = (torch.randn(num_pages, HKV, D, generator=gen) + 5).to(device)
     if page_scores is not None:
         trace.page_scores = page_scores
         trace.page_scores.copy_(torch.randn(page_scores.shape, generator=gen) * 50)
@@ -80,8 +83,9 @@ def _trace(name: str, starts: list[int], steps: int, params: SelectionParams, he
     cut = [int(torch.randint(1, s - 1, (1,), generator=gen)) for s in starts]
     _write(trace, [list(range(c)) for c in cut], params, head)
     _write(trace, [list(range(c, s - 1)) for c, s in zip(cut, starts)], params, head)
-    trace.channels = torch.stack([torch.randperm(D, generator=gen)[:5] for _ in range(HKV)])
-    trace.qs = [random_values(gen, len(starts), HQ, D) for _ in range(steps)]
+    trace.channels = torch.stack([torch.randperm(D, generator=gen)[:5]
+                                  for _ in range(HKV)]).to(device)
+    trace.qs = [random_values(gen, len(starts), HQ, D, device=device) for _ in range(steps)]
     return trace
 
 
@@ -96,10 +100,13 @@ def _evicted(state: LocalityKernelState, row: int, g: int, first: int) -> set[in
 
 
 def _run(name: str, params: SelectionParams, starts: list[int], steps: int,
-         heads: EvictionHeads | None = None) -> list[list[float]]:
+         heads: EvictionHeads | None = None, device: str = "cpu") -> list[list[float]]:
     """Kernels vs oracle over the trace; returns the γ(t) the kernels measured per request."""
     k_e = params.locality_blocks
-    head = eviction_head_tensors(heads, 0) if heads is not None else None
+    head = None
+    if heads is not None:
+        heads = heads.to(device)
+        head = eviction_head_tensors(heads, 0)
     rows = None
     state = None
     if k_e:
@@ -108,12 +115,13 @@ def _run(name: str, params: SelectionParams, starts: list[int], steps: int,
         rows = probe.req_to_token.shape[0]
         state = LocalityKernelState(num_layers=1, rows=rows, num_kv_heads=HKV, k_e=k_e,
                                     max_blocks=probe.max_blocks,
-                                    num_slots=probe.k_buffer.shape[0], page_size=BS, device="cpu")
+                                    num_slots=probe.k_buffer.shape[0], page_size=BS,
+                                    device=device)
     trace = _trace(name, starts, steps, params, head,
-                   state.page_scores[0] if state is not None else None)
+                   state.page_scores[0] if state is not None else None, device)
     pb = trace.pb
     batch = len(starts)
-    ws = SparseDecodeWorkspace(batch + 1, HQ, HKV, D, params, pb.max_blocks, "cpu",
+    ws = SparseDecodeWorkspace(batch + 1, HQ, HKV, D, params, pb.max_blocks, device,
                                torch.float32)
     ref_states = [LocalityState(num_kv_heads=HKV) for _ in starts]
     gammas: list[list[float]] = [[] for _ in starts]
@@ -123,8 +131,9 @@ def _run(name: str, params: SelectionParams, starts: list[int], steps: int,
         lens = [s + t for s in starts]
         _write(trace, [[n - 1] for n in lens], params, head)  # this step's token
         # one padding entry (row 0, length 1), as SGLang's CUDA graphs add
-        rows_t = torch.cat([pb.req_pool_indices, torch.zeros(1, dtype=torch.int64)])
-        lens_t = torch.tensor(lens + [1], dtype=torch.int32)
+        rows_t = torch.cat([pb.req_pool_indices,
+                            torch.zeros(1, dtype=torch.int64, device=device)])
+        lens_t = torch.tensor(lens + [1], dtype=torch.int32, device=device)
         q = torch.cat([trace.qs[t], trace.qs[t][:1]])
         out = sparse_decode_batched(
             q, pb.k_buffer, pb.v_buffer, pb.req_to_token, rows_t, lens_t, trace.kmin,
@@ -146,7 +155,8 @@ def _run(name: str, params: SelectionParams, starts: list[int], steps: int,
             where = f"step {t} request {b} (L={length})"
             for g in range(HKV):
                 got = positions[b, g][positions[b, g] >= 0].long().sort().values
-                assert torch.equal(got, mask[g].nonzero().flatten()), f"{where} head {g}"
+                assert torch.equal(got, mask[g].nonzero().flatten().to(device)), \
+                    f"{where} head {g}"
             torch.testing.assert_close(out[b], sparse_attention(trace.qs[t][b], keys, values,
                                                                 mask, SCALE),
                                        rtol=1e-4, atol=1e-5)
@@ -188,6 +198,61 @@ def test_batched_locality_equals_the_oracle_over_a_decode_trace(kind):
     gammas = _run(kind, params, starts=[33, 58, 83], steps=14, heads=heads)
     assert all(gammas), "every request was measured"
     assert min(g for per in gammas for g in per) >= _floor(params)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["key_norm", "learned"])
+def test_compiled_kernels_equal_the_oracle_on_the_gpu(kind):
+    """The same trace with the compiled kernels (barriers, atomics, loops) on the GPU."""
+    params = replace(PARAMS, eviction_score=kind)
+    heads = _heads(11) if kind == "learned" else None
+    gammas = _run("gpu-" + kind, params, starts=[33, 58, 83], steps=14, heads=heads,
+                  device="cuda")
+    assert min(g for per in gammas for g in per) >= _floor(params)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_locality_decode_step_replays_in_a_cuda_graph():
+    """One decode step with the locality constraint captured in a CUDA graph and replayed over
+    the following steps gives what eager calls on a copy of the state give."""
+    params = PARAMS
+    starts, steps = [57, 90], 6
+    gen = case_generator("locality-graph")
+    pb = make_paged_batch(gen, [s + steps for s in starts], HKV, D, BS, device="cuda",
+                          summary_chunks=1)
+    state = lambda: LocalityKernelState(  # noqa: E731
+        num_layers=1, rows=pb.req_to_token.shape[0], num_kv_heads=HKV, k_e=3,
+        max_blocks=pb.max_blocks, num_slots=pb.k_buffer.shape[0], page_size=BS, device="cuda")
+    eager_state, graph_state = state(), state()
+    for s in (eager_state, graph_state):  # scores of every page (the KV is all written)
+        idx = torch.arange(pb.k_buffer.shape[0], device="cuda")
+        update_eviction_page_scores(s.page_scores[0], pb.k_buffer, idx, BS, "key_norm")
+    ws_eager, ws_graph = (SparseDecodeWorkspace(2, HQ, HKV, D, params, pb.max_blocks, "cuda",
+                                                torch.float32) for _ in range(2))
+    q = torch.zeros(2, HQ, D, device="cuda")
+    lens = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    common = (q, pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices, lens, pb.kmin,
+              pb.kmax, params, SCALE)
+    # warm up (compiles) on throwaway state, then capture
+    scratch = state()
+    sparse_decode_batched(*common, workspace=ws_graph,
+                          locality=scratch.layer(0))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_graph = sparse_decode_batched(*common, workspace=ws_graph,
+                                          locality=graph_state.layer(0))
+    for t in range(steps):
+        q.copy_(random_values(gen, 2, HQ, D, device="cuda"))
+        lens.copy_(torch.tensor([s + t for s in starts], dtype=torch.int32))
+        want = sparse_decode_batched(*common, workspace=ws_eager,
+                                     locality=eager_state.layer(0)).clone()
+        graph.replay()
+        torch.testing.assert_close(out_graph, want, rtol=0, atol=0)
+        assert torch.equal(graph_state.keep_ids, eager_state.keep_ids)
+        assert torch.equal(ws_graph.gamma[:2], ws_eager.gamma[:2])
 
 
 def test_ke_zero_is_two_level():
