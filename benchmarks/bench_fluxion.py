@@ -66,8 +66,8 @@ def main(argv=None) -> int:
     from benchmarks.results_io import git_commit, gpu_name, write_results
     from sglang_ext.kernels.host_gather import gather_host_blocks, gather_host_blocks_ref, pinned_empty
     from sglang_ext.memory_tier.cooperative import (
-        CostModel, HostAttentionWorkers, PriorityScheduler, attend_blocks, plan_split,
-        split_selection,
+        CostModel, HostAttentionWorkers, PriorityScheduler, attend_blocks, calibrate_cpu_cost,
+        plan_split, split_selection,
     )
     from sglang_ext.selection.reference import merge_attention_states
 
@@ -183,6 +183,7 @@ def main(argv=None) -> int:
                     g_out, g_lse = gpu_attend(q, layer, torch.where(gpu_misses >= 0, gpu_misses, res_part))
                     timer.stop()
                     c_out, c_lse = fut.result()
+                    scheduler.observe(plan, fut.cpu_seconds)
                     timer.start()
                     out, _ = merge_attention_states(g_out, g_lse, c_out.to(dev, non_blocking=True),
                                             c_lse.to(dev, non_blocking=True))
@@ -207,28 +208,27 @@ def main(argv=None) -> int:
                 res.append(r)
             return res
 
-        # The cost model, measured here.
+        # The cost model, measured here (after a warm-up: a cold first call is many times slower).
         qs = queries(args.steps + 2)
         sel0 = select(qs[0][0], 0)
+        gpu_attend(qs[0][0], 0, sel0)
         sync(); t = time.perf_counter()
-        for _ in range(3):
+        for _ in range(5):
             gpu_attend(qs[0][0], 0, sel0)
-        sync(); gpu_s_tok = (time.perf_counter() - t) / 3 / (B * HKV * k_sel * bs)
-        # One CPU task as the workers run it: one kv head's query group over k_sel blocks.
-        one = torch.arange(k_sel)[None, None, :]
-        q_host = qs[0][0][:1, :HQ // HKV].cpu()
-        torch.set_num_threads(1)
-        t = time.perf_counter()
-        attend_blocks(q_host, host_k[0][:1], host_v[0][:1], one, bs, scaling)
-        cpu_s_tok = (time.perf_counter() - t) / (k_sel * bs)
+        sync(); gpu_s_tok = (time.perf_counter() - t) / 5 / (B * HKV * k_sel * bs)
         # Kept at 1: the worker threads are the CPU's parallelism (intra-op threads would
         # oversubscribe the cores); this thread only launches GPU work.
+        torch.set_num_threads(1)
+        # The CPU side as a step uses it: every worker thread at once, one task each.
+        cpu_fixed, cpu_s_tok = calibrate_cpu_cost(workers, host_k[0], host_v[0], HQ // HKV, bs,
+                                                  D ** -0.5)
         miss = torch.randint(0, nblocks, (B, HKV, k_sel), device=dev)
+        fetch(0, miss)
         sync(); t = time.perf_counter()
         n = fetch(0, miss)
         sync(); fetch_s_blk = (time.perf_counter() - t) / max(n, 1)
         cost = CostModel(gpu_s_per_token=gpu_s_tok, cpu_s_per_token=cpu_s_tok,
-                         fetch_s_per_block=fetch_s_blk, cpu_fixed_s=50e-6)
+                         fetch_s_per_block=fetch_s_blk, cpu_fixed_s=cpu_fixed)
         meta_costs[context] = cost.__dict__
         print(f"  cost model: {cost}", flush=True)
         scheduler = PriorityScheduler(cost, args.cpu_threads)
@@ -263,6 +263,8 @@ def main(argv=None) -> int:
                 "fetched_blocks_per_step": statistics.mean(fetched),
                 "cpu_blocks_per_step": statistics.mean(cpu_blocks),
                 "selected_blocks_per_step": B * HKV * k_sel * NL,
+                # the scheduler's online correction of the CPU cost model (observed / modelled)
+                "cpu_cost_scale": round(scheduler.cpu_scale, 3) if cooperative else None,
             })
             print(f"  {rows[-1]}", flush=True)
         del host_k, host_v, dev_k, dev_v, kmin, kmax

@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 import requests
 
@@ -29,6 +29,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from benchmarks.results_io import git_commit, gpu_name, write_results  # noqa: E402
+from benchmarks.soak import TIE_MARGIN, mismatch  # noqa: E402
 
 CONFIGS: dict[str, list[str]] = {
     "flashinfer": ["--attention-backend", "flashinfer"],
@@ -41,19 +42,9 @@ CONFIGS: dict[str, list[str]] = {
                         "--sparse-block-size", "16", "--sparse-tier", "async",
                         "--sparse-tier-host-gb", os.environ.get("SGLANG_EXT_TIER_HOST_GB", "64"),
                         "--sparse-tier-gpu-tokens",
-                        os.environ.get("SGLANG_EXT_TIER_GPU_TOKENS", "0")],
-    # the same tier with NOSA's locality constraint at the same budget: half of the selected
-    # blocks query-agnostic (k_e = 61 of the 123 blocks of 2048 - 16 - 64 tokens, key_norm score)
-    # and the block filter sized for the query-aware half (2 x 62 blocks), so the working set is
-    # E_t (which persists) plus the query-aware candidates
-    "sglang_ext_tier_locality": ["--attention-backend", "sglang_ext", "--sparse-budget", "2048",
-                                 "--sparse-block-size", "16", "--sparse-tier", "async",
-                                 "--sparse-tier-host-gb",
-                                 os.environ.get("SGLANG_EXT_TIER_HOST_GB", "64"),
-                                 "--sparse-tier-gpu-tokens",
-                                 os.environ.get("SGLANG_EXT_TIER_GPU_TOKENS", "0"),
-                                 "--sparse-locality-blocks", "61", "--sparse-eviction-score",
-                                 "key_norm", "--sparse-candidate-blocks", "124"],
+                        os.environ.get("SGLANG_EXT_TIER_GPU_TOKENS", "0"),
+                        # the hidden-transfer fraction in the tier stats (issue 4's server bar)
+                        "--sparse-tier-timing", "on"],
     # the accuracy guard: probes every 16 steps and widens budgets (up to 4x) where recall < 0.9
     "sglang_ext_guard": ["--attention-backend", "sglang_ext", "--sparse-budget", "2048",
                          "--sparse-block-size", "16", "--sparse-guard-every", "16"],
@@ -65,6 +56,16 @@ CONFIGS: dict[str, list[str]] = {
     "sglang_ext_fi": ["--attention-backend", "sglang_ext", "--sparse-budget", "2048",
                       "--sparse-block-size", "16", "--sparse-dense-backend", "flashinfer"],
 }
+# the tier with FlashInfer's prefill (SGLang's triton extend takes ~40 s per 128k prompt)
+CONFIGS["sglang_ext_tier_fi"] = CONFIGS["sglang_ext_tier"] + ["--sparse-dense-backend", "flashinfer"]
+
+# The tier with NOSA's locality constraint at the same budget: half of the selected blocks
+# query-agnostic (k_e = 61 of the 123 blocks of 2048 - 16 - 64 tokens, key_norm score) and the
+# block filter sized for the query-aware half (2 x 62 blocks), so the working set is E_t (which
+# persists) plus the query-aware candidates.
+CONFIGS["sglang_ext_tier_locality"] = CONFIGS["sglang_ext_tier"] + [
+    "--sparse-locality-blocks", "61", "--sparse-eviction-score", "key_norm",
+    "--sparse-candidate-blocks", "124"]
 
 
 def launch(model: str, tokenizer: str, args: list[str], port: int, context_len: int,
@@ -251,17 +252,16 @@ def greedy_outputs(port: int, num_prompts: int, prompt_len: int, output_len: int
 def compare_greedy(reference: list[dict[str, Any]], outputs: list[dict[str, Any]],
                    tie_margin: float) -> dict[str, Any]:
     """Per prompt: equal, or where it first differs and whether the reference was at a near
-    tie there. ``decisive_tokens``: matched tokens whose reference top-2 margin exceeded the tie
-    margin (how much the check really tested)."""
-    from benchmarks.soak import mismatch
-
-    mismatches, near_ties, equal, decisive = [], 0, 0, 0
+    tie there (top-2 margin <= ``tie_margin``). ``decisive_tokens``: matched tokens whose
+    reference top-2 margin exceeded the tie margin (how much the check really tested);
+    ``first_diffs``: per differing prompt, the token and both sides' top-2 margins there."""
+    mismatches, near_ties, equal, decisive, first_diffs = [], 0, 0, 0, []
     for i, (ref, out) in enumerate(zip(reference, outputs)):
         ids, ref_ids = out["output_ids"], ref["output_ids"]
         tops = ref["meta_info"].get("output_top_logprobs") or []
         same = next((j for j, (a, b) in enumerate(zip(ids, ref_ids)) if a != b),
                     min(len(ids), len(ref_ids)))
-        decisive += sum(1 for t in tops[:same] if t and len(t) >= 2 and t[0][0] - t[1][0] >= tie_margin)
+        decisive += sum(1 for t in tops[:same] if t and len(t) >= 2 and t[0][0] - t[1][0] > tie_margin)
         why = mismatch(ref, ids, tie_margin)
         if why is not None:
             mismatches.append(f"prompt {i}: {why}")
@@ -269,9 +269,20 @@ def compare_greedy(reference: list[dict[str, Any]], outputs: list[dict[str, Any]
             equal += 1
         else:
             near_ties += 1
+        if ids != ref_ids:
+            first_diffs.append({"prompt": i, "token": same,
+                                "reference_margin": _top2_margin(ref, same),
+                                "output_margin": _top2_margin(out, same)})
     return {"greedy_prompts": len(outputs), "greedy_equal": equal,
             "greedy_near_tie": near_ties, "greedy_mismatches": mismatches,
-            "greedy_decisive_tokens": decisive}
+            "greedy_decisive_tokens": decisive, "greedy_first_diffs": first_diffs}
+
+
+def _top2_margin(reply: dict[str, Any], pos: int) -> Optional[float]:
+    tops = reply["meta_info"].get("output_top_logprobs") or []
+    if pos < len(tops) and tops[pos] and len(tops[pos]) >= 2:
+        return round(tops[pos][0][0] - tops[pos][1][0], 4)
+    return None
 
 
 def merge_rows(path: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -362,9 +373,9 @@ def main() -> int:
                    help="their prompt length; keep prompt + output within ours' budget to "
                         "compare exact (budget >= context) decoding")
     p.add_argument("--greedy-output-len", type=int, default=64)
-    p.add_argument("--tie-margin", type=float, default=0.25,
-                   help="nats: a first difference at a reference top-2 margin below this is a "
-                        "near tie, not a mismatch")
+    p.add_argument("--tie-margin", type=float, default=TIE_MARGIN,
+                   help="nats: a first difference at a reference top-2 margin of at most this "
+                        "is a near tie, not a mismatch (benchmarks/soak.py: TIE_MARGIN)")
     p.add_argument("--append", action="store_true",
                    help="merge the rows into the results file already in --out (other context "
                         "lengths, TP sizes) instead of replacing it")

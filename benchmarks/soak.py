@@ -6,17 +6,22 @@ What one run does (``--requests`` requests, at most ``--concurrency`` in flight,
 
 * mixed prompt lengths (``--lengths``, tokens of the standard library's docstrings), every request
   streaming; some share a long prefix with an earlier one (radix-cache hits, ``--shared``);
-* ~``--abort-frac`` of them are aborted mid-decode, half by the client closing the stream, half
-  through ``POST /abort_request`` with the request's ``rid``;
+* ``--abort-frac`` of them (exactly, rounded) are aborted mid-decode, half by the client closing
+  the stream, half through ``POST /abort_request`` with the request's ``rid``;
 * ``--reference`` prompts are first run alone on the idle server (greedy, with top-2 logprobs),
   then again inside the load: the outputs must match; a difference counts as a mismatch unless
-  the reference's top-2 margin at the first differing token is under ``--tie-margin`` nats (a
+  the reference's top-2 margin at the first differing token is at most ``--tie-margin`` nats (a
   near tie that batching's rounding may flip, not corrupted KV);
+* with ``--dense-launch "ARGS"``, a dense-attention server (e.g. SGLang's flashinfer backend) is
+  started first on the same port for ``--dense-reference`` prompts of ``--dense-lengths``
+  (within our budget, so our decode attends every token), then stopped; inside the load those
+  prompts' outputs must equal the dense server's, under the same near-tie rule;
 * a burst of malformed requests (bad JSON, bad sampling params, bad ``custom_params.sparse``)
   must each get a 4xx, and the server must still answer afterwards;
 * at the end: every finished output is well formed (non-empty ids, as many as reported, finish
   reason set), the server is healthy, and its log (``--server-log``) shows no traceback, no
-  "memory leak" and no scheduler crash; retractions and queued requests are counted;
+  "memory leak" and no scheduler crash; retracted requests (SGLang's "KV cache pool is full")
+  and the longest queue are counted;
   ``/metrics`` (when enabled) is sampled for our counters.
 
 Writes a JSON report (``--out``) and exits 1 when anything failed. ``--launch "ARGS"`` starts
@@ -170,6 +175,13 @@ def reference_run(url: str, prompt: str, max_new_tokens: int) -> dict:
     return r.json()
 
 
+# One bf16 step of a logit in [32, 64) is 0.25, and a logprob difference is a logit difference:
+# two top-2 logits one step apart are as close as bf16 can tell apart, and a different kernel's
+# rounding flips them. Measured: SGLang's own flashinfer and triton full attention at --tp 2
+# disagree at exactly such margins (benchmarks/results/tp2_greedy_h200.json, the flashinfer row).
+TIE_MARGIN = 0.25
+
+
 def mismatch(reference: dict, output_ids: list[int], tie_margin: float) -> Optional[str]:
     """None when ``output_ids`` equal the reference's, or differ first at a near tie."""
     ref_ids = reference["output_ids"]
@@ -180,7 +192,7 @@ def mismatch(reference: dict, output_ids: list[int], tie_margin: float) -> Optio
     tops = reference["meta_info"].get("output_top_logprobs") or []
     if pos < len(tops) and tops[pos] and len(tops[pos]) >= 2:
         margin = tops[pos][0][0] - tops[pos][1][0]
-        if margin < tie_margin:
+        if margin <= tie_margin:
             return None
         return f"differs at token {pos} (reference top-2 margin {margin:.3f} nats)"
     return f"differs at token {pos} (lengths {len(output_ids)} / {len(ref_ids)})"
@@ -204,7 +216,10 @@ def log_findings(text: str) -> dict[str, Any]:
         "tracebacks": text.count("Traceback"),
         "memory_leaks": len(re.findall(r"memory leak", text, re.IGNORECASE)),
         "scheduler_crashes": text.count("Scheduler hit an exception"),
-        "retractions": len(re.findall(r"[Rr]etract", text)),
+        # SGLang's "KV cache pool is full. Retract requests. #retracted_reqs: N" (not its
+        # retraction test mode, and not the retraction_policy in the server_args line)
+        "retractions": sum(int(n) for n in re.findall(
+            r"KV cache pool is full\. Retract requests\. #retracted_reqs: (\d+)", text)),
         "max_queue": max([int(x) for x in re.findall(r"#queue-req: (\d+)", text)] or [0]),
         "guard_lines": len(re.findall(r"sglang_ext guard", text)),
         "tier_stat_lines": len(re.findall(r"sglang_ext tier stats", text)),
@@ -232,6 +247,16 @@ def launch(args: str, log_path: str, port: int) -> subprocess.Popen:
            str(port), *shlex.split(args)]
     log = open(log_path, "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop(proc: Optional[subprocess.Popen]) -> None:
+    if proc is not None and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def wait_healthy(url: str, proc: Optional[subprocess.Popen], timeout: float) -> None:
@@ -266,10 +291,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--abort-frac", type=float, default=0.1)
     ap.add_argument("--shared", type=float, default=0.2, help="share of shared-prefix requests")
     ap.add_argument("--reference", type=int, default=4, help="prompts checked against an idle run")
-    ap.add_argument("--tie-margin", type=float, default=0.25,
-                    help="nats: a first difference where the reference's top-2 logprobs are "
-                         "closer than this is a near tie, not a mismatch (bf16 logits of ~20 "
-                         "carry ~0.1 of rounding, which a different batch may round otherwise)")
+    ap.add_argument("--dense-launch", default=None, metavar="ARGS",
+                    help="launch_server arguments of a dense-attention server (e.g. the same model "
+                         "with --attention-backend flashinfer), run before ours on the same port "
+                         "for the --dense-reference prompts")
+    ap.add_argument("--dense-reference", type=int, default=4,
+                    help="prompts (of --dense-lengths) whose outputs under load must equal the "
+                         "dense server's; with --dense-launch")
+    ap.add_argument("--dense-lengths", type=parse_length, nargs="+", default=None,
+                    help="their lengths, LEN[:WEIGHT]: prompt + --max-new-tokens within our "
+                         "budget, where our decode attends every token (default: --lengths)")
+    ap.add_argument("--tie-margin", type=float, default=TIE_MARGIN,
+                    help="nats: a first difference where the reference's top-2 logprobs are at "
+                         "most this far apart is a near tie, not a mismatch (see TIE_MARGIN)")
     ap.add_argument("--time-limit", type=float, default=900.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=600.0)
@@ -278,22 +312,31 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.url and not args.launch:
         ap.error("give --url or --launch")
 
-    proc = None
+    if args.dense_launch and not args.launch:
+        ap.error("--dense-launch needs --launch (both servers use --port, one after the other)")
+
     url = args.url or f"http://127.0.0.1:{args.port}"
     log_path = args.server_log or os.path.splitext(args.out)[0] + "_server.log"
-    if args.launch:
-        proc = launch(args.launch, log_path, args.port)
     t0 = time.time()
+    lines = corpus_lines()
+    dense_refs: list[tuple[str, dict]] = []
+    if args.dense_launch:
+        dense_rng = random.Random(args.seed + 1)
+        prompts = [make_prompt(lines, dense_rng, draw_length(dense_rng, args.dense_lengths or args.lengths))
+                   for _ in range(args.dense_reference)]
+        dense_log = os.path.splitext(log_path)[0] + "_dense.log"
+        proc = launch(args.dense_launch, dense_log, args.port)
+        try:
+            wait_healthy(url, proc, args.startup_timeout)
+            dense_refs = [(p, reference_run(url, p, args.max_new_tokens)) for p in prompts]
+        finally:
+            stop(proc)
+    proc = launch(args.launch, log_path, args.port) if args.launch else None
     try:
         wait_healthy(url, proc, args.startup_timeout)
-        report = soak(url, args)
+        report = soak(url, args, lines, dense_refs)
     finally:
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)
     findings = log_findings(open(log_path, errors="replace").read()) \
         if os.path.exists(log_path) else {}
     report["server_log"] = findings
@@ -310,30 +353,35 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0 if not failures else 1
 
 
-def soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
+def soak(url: str, args: argparse.Namespace, lines: list[str],
+         dense_refs: list[tuple[str, dict]]) -> dict[str, Any]:
+    """``dense_refs``: (prompt, the dense server's reply) pairs, checked as ``dense-reference``
+    requests inside the load."""
     from tqdm import tqdm
 
     rng = random.Random(args.seed)
-    lines = corpus_lines()
     failures: list[str] = []
 
     # The reference prompts, alone on the idle server first.
     ref_prompts = [make_prompt(lines, rng, draw_length(rng, args.lengths)) for _ in range(args.reference)]
-    references = [reference_run(url, p, args.max_new_tokens) for p in ref_prompts]
+    references = [reference_run(url, p, args.max_new_tokens) for p in ref_prompts] \
+        + [reply for _, reply in dense_refs]
+    fixed = [("reference", p) for p in ref_prompts] + [("dense-reference", p) for p, _ in dense_refs]
 
-    # The load: kinds drawn up front so the mix is reproducible.
+    # The load: kinds drawn up front so the mix is reproducible; exactly round(abort_frac * n)
+    # of the other requests are aborted, half by the client, half through /abort_request.
     plan: list[tuple[str, str]] = []
     earlier: list[str] = []
+    others = list(range(len(fixed), args.requests))
+    aborted = rng.sample(others, round(args.abort_frac * len(others)))
+    abort_kind = {i: "abort-client" if j % 2 == 0 else "abort-api" for j, i in enumerate(aborted)}
     for i in range(args.requests):
-        if i < args.reference:
-            plan.append(("reference", ref_prompts[i]))
+        if i < len(fixed):
+            plan.append(fixed[i])
             continue
-        u = rng.random()
-        if u < args.abort_frac / 2:
-            kind = "abort-client"
-        elif u < args.abort_frac:
-            kind = "abort-api"
-        elif u < args.abort_frac + args.shared and earlier:
+        if i in abort_kind:
+            kind = abort_kind[i]
+        elif rng.random() < args.shared and earlier:
             kind = "shared"
         else:
             kind = "plain"
@@ -346,10 +394,10 @@ def soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
     rng.shuffle(plan)
 
     metrics_during: dict[str, float] = {}
-    stop = threading.Event()
+    load_done = threading.Event()
 
     def sampler() -> None:  # our counters while the load runs
-        while not stop.wait(5.0):
+        while not load_done.wait(5.0):
             metrics_during.update(sample_metrics(url))
 
     threading.Thread(target=sampler, daemon=True).start()
@@ -377,11 +425,11 @@ def soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
             outcomes.append(f.result())
             bar.update(1)
     bar.close()
-    stop.set()
+    load_done.set()
     metrics_after = sample_metrics(url)
 
     # Checks.
-    by_prompt = {p: i for i, p in enumerate(ref_prompts)}
+    by_prompt = {p: i for i, (_, p) in enumerate(fixed)}
     mismatches = []
     skipped = sum(1 for o in outcomes if o.skipped)
     if skipped:
@@ -395,7 +443,7 @@ def soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
             continue
         if not o.output_ids or o.finish_reason is None:
             failures.append(f"request {o.index} ({o.kind}): not finished / empty output")
-        if o.kind == "reference":
+        if o.kind in ("reference", "dense-reference"):
             why = mismatch(references[by_prompt[prompt]], o.output_ids, args.tie_margin)
             if why:
                 mismatches.append(f"request {o.index}: {why}")
@@ -426,6 +474,7 @@ def soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
         "aborted": sum(1 for o in outcomes if o.kind.startswith("abort") and not o.skipped),
         "max_prompt_tokens": max((o.prompt_tokens for o in outcomes), default=0),
         "reference_checked": sum(1 for o in outcomes if o.kind == "reference"),
+        "dense_reference_checked": sum(1 for o in outcomes if o.kind == "dense-reference"),
         "mismatches": mismatches,
         "malformed": malformed,
         "healthy_after": healthy_after,

@@ -15,6 +15,11 @@ instructions as the bytes take to arrive (at B=32, 8 kv heads, 8192 blocks: ~2.5
 instructions, ~0.24 ms at H200 issue rates, vs 1.07 GB at ~4.1 TB/s, ~0.26 ms); "tc" issues
 ~3x fewer, leaving the kernel bandwidth bound.
 
+MLA (one latent head of ``R + P = 576`` dims, all Hq query heads in its group): the GEMM paths
+walk head dims above 256 in 64-wide chunks (:func:`~sglang_ext.kernels.sparse_attention.
+head_dim_tiling`), accumulating the bound over the chunks, so a program never holds a 576-dim
+summary tile padded to 1024; "fma" (one pass per head over the whole dim) is for narrow heads.
+
 Blocks that are not candidates get ``-inf``: blocks at/after ``ceil(L / bs)`` and blocks with no
 middle position (all positions inside the sink ``[0, sink)`` or the window ``[L - window, L)``).
 """
@@ -29,6 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sglang_ext.kernels.block_summary import SUMMARY_DTYPES as _SUMMARY_DTYPES
+from sglang_ext.kernels.sparse_attention import head_dim_tiling
 from sglang_ext.selection.reference import quest_block_scores
 
 
@@ -56,6 +62,7 @@ def _quest_block_scores_kernel(
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    D_CHUNKS: tl.constexpr,
     BLOCK_NB: tl.constexpr,
     PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -77,40 +84,17 @@ def _quest_block_scores_kernel(
     page = first_slot.to(tl.int64) // BLOCK_SIZE
 
     d = tl.arange(0, BLOCK_D)
-    dmask = d < HEAD_DIM
-    summary = page[:, None] * stride_sp + g * stride_sh + d[None, :]
-    smask = valid[:, None] & dmask[None, :]
-    # [NB, D], shared by the group, in the summaries' dtype
-    kmax = tl.load(KMAX + summary, mask=smask, other=0.0)
-    kmin = tl.load(KMIN + summary, mask=smask, other=0.0)
     q_base = Q + b.to(tl.int64) * stride_qb + (g * GROUP) * stride_qh
+    hh = tl.arange(0, GROUP_PAD)
+    hmask = hh < GROUP
 
-    if PRECISION == "tc":
-        # tensor cores on the 16-bit operands as stored: q and the summaries are both bf16 (or
-        # both fp16), q+ / q- are exact in that dtype, every product is exact in fp32 and the
-        # GEMMs accumulate in fp32. [G, D] x [D, NB], G padded to 16 rows.
-        hh = tl.arange(0, GROUP_PAD)
-        hmask = hh < GROUP
-        q = tl.load(
-            q_base + hh[:, None] * stride_qh + d[None, :],
-            mask=hmask[:, None] & dmask[None, :],
-            other=0.0,
-        )
-        if INTERPRET:
-            # Triton's CPU interpreter compares and multiplies bf16 as raw integer bit patterns:
-            # the same (exact) values, widened to fp32
-            q32 = q.to(tl.float32)
-            q_pos, q_neg = tl.maximum(q32, 0.0), tl.minimum(q32, 0.0)
-            kmax, kmin = kmax.to(tl.float32), kmin.to(tl.float32)
-        else:
-            zero = tl.zeros_like(q)
-            q_pos = tl.where(q > zero, q, zero)  # stays 16-bit (packed max/min), exact
-            q_neg = tl.where(q < zero, q, zero)
-        bound = tl.dot(q_pos, tl.trans(kmax))
-        bound = tl.dot(q_neg, tl.trans(kmin), acc=bound)
-        bound = tl.where(hmask[:, None], bound, float("-inf"))  # [GP, NB]
-        score = tl.max(bound, axis=0)
-    elif PRECISION == "fma":
+    if PRECISION == "fma":
+        dmask = d < HEAD_DIM
+        summary = page[:, None] * stride_sp + g * stride_sh + d[None, :]
+        smask = valid[:, None] & dmask[None, :]
+        # [NB, D], shared by the group, in the summaries' dtype (one tile: D_CHUNKS == 1)
+        kmax = tl.load(KMAX + summary, mask=smask, other=0.0)
+        kmin = tl.load(KMIN + summary, mask=smask, other=0.0)
         kmax = kmax.to(tl.float32)  # bf16/fp16 summaries are widened to fp32 in registers
         kmin = kmin.to(tl.float32)
         # small groups: one multiply-add pass per query head (no padding of the group to 16)
@@ -122,18 +106,46 @@ def _quest_block_scores_kernel(
             )
             score = tl.maximum(score, bound_h)
     else:
-        # two GEMMs [G, D] x [D, NB] (G padded to the 16 rows tl.dot needs)
-        hh = tl.arange(0, GROUP_PAD)
-        hmask = hh < GROUP
-        q = tl.load(
-            q_base + hh[:, None] * stride_qh + d[None, :],
-            mask=hmask[:, None] & dmask[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        kmax = kmax.to(tl.float32)
-        kmin = kmin.to(tl.float32)
-        bound = tl.dot(tl.maximum(q, 0.0), tl.trans(kmax), input_precision=PRECISION)
-        bound = tl.dot(tl.minimum(q, 0.0), tl.trans(kmin), acc=bound, input_precision=PRECISION)
+        # two GEMMs [G, D] x [D, NB] (G padded to the 16 rows tl.dot needs), over D_CHUNKS
+        # chunks of the head dim (one for D <= 256)
+        bound = tl.zeros([GROUP_PAD, BLOCK_NB], tl.float32)
+        for c in tl.static_range(D_CHUNKS):
+            dc = c * BLOCK_D + d
+            dmask = dc < HEAD_DIM
+            summary = page[:, None] * stride_sp + g * stride_sh + dc[None, :]
+            smask = valid[:, None] & dmask[None, :]
+            # [NB, BLOCK_D], shared by the group, in the summaries' dtype
+            kmax = tl.load(KMAX + summary, mask=smask, other=0.0)
+            kmin = tl.load(KMIN + summary, mask=smask, other=0.0)
+            q = tl.load(
+                q_base + hh[:, None] * stride_qh + dc[None, :],
+                mask=hmask[:, None] & dmask[None, :],
+                other=0.0,
+            )
+            if PRECISION == "tc":
+                # tensor cores on the 16-bit operands as stored: q and the summaries are both
+                # bf16 (or both fp16), q+ / q- are exact in that dtype, every product is exact
+                # in fp32 and the GEMMs accumulate in fp32.
+                if INTERPRET:
+                    # Triton's CPU interpreter compares and multiplies bf16 as raw integer bit
+                    # patterns: the same (exact) values, widened to fp32
+                    q32 = q.to(tl.float32)
+                    q_pos, q_neg = tl.maximum(q32, 0.0), tl.minimum(q32, 0.0)
+                    kmax, kmin = kmax.to(tl.float32), kmin.to(tl.float32)
+                else:
+                    zero = tl.zeros_like(q)
+                    q_pos = tl.where(q > zero, q, zero)  # stays 16-bit (packed max/min), exact
+                    q_neg = tl.where(q < zero, q, zero)
+                bound = tl.dot(q_pos, tl.trans(kmax), acc=bound)
+                bound = tl.dot(q_neg, tl.trans(kmin), acc=bound)
+            else:
+                q = q.to(tl.float32)
+                kmax = kmax.to(tl.float32)
+                kmin = kmin.to(tl.float32)
+                bound = tl.dot(tl.maximum(q, 0.0), tl.trans(kmax), acc=bound,
+                               input_precision=PRECISION)
+                bound = tl.dot(tl.minimum(q, 0.0), tl.trans(kmin), acc=bound,
+                               input_precision=PRECISION)
         bound = tl.where(hmask[:, None], bound, float("-inf"))  # [GP, NB]
         score = tl.max(bound, axis=0)
     score = tl.where(valid, score, float("-inf"))
@@ -170,7 +182,7 @@ def quest_block_scores_batched(
     rivals the bf16 summaries' bytes at large batch); None = "tc" on a GPU when q and the
     summaries share a 16-bit dtype (the block scores as GEMMs: measured 5-15% faster per decode
     step at 128k, see benchmarks/results/operator_h200*.json), otherwise "fma" for groups
-    smaller than 8 query heads and "ieee" for larger ones. ``block_nb``: blocks per program
+    smaller than 8 query heads of at most 256 dims and "ieee" for the others. ``block_nb``: blocks per program
     (default: 64 for 2-byte summaries with "fma"/"tc", otherwise 32).
     """
     batch, num_q_heads, head_dim = q.shape
@@ -185,12 +197,17 @@ def quest_block_scores_batched(
     if q.stride(2) != 1:
         q = q.contiguous()
     group = num_q_heads // num_kv_heads
+    block_d, d_chunks = head_dim_tiling(head_dim)
     if precision is None:
         on_tensor_cores = (q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
                            and q.dtype == kmin.dtype and q.dtype in (torch.bfloat16, torch.float16))
-        precision = "tc" if on_tensor_cores else "fma" if group < 8 else "ieee"
+        narrow = group < 8 and d_chunks == 1
+        precision = "tc" if on_tensor_cores else "fma" if narrow else "ieee"
     if precision not in ("ieee", "tf32x3", "fma", "tc"):
         raise ValueError(f"precision must be ieee, tf32x3, fma or tc, got {precision!r}")
+    if precision == "fma" and d_chunks > 1:
+        raise ValueError(f"precision 'fma' holds the whole head dim in one tile: D={head_dim} is "
+                         f"walked in chunks, use ieee, tf32x3 or tc")
     if precision == "tc" and not (q.dtype == kmin.dtype and q.dtype in (torch.bfloat16,
                                                                          torch.float16)):
         raise TypeError(f"precision 'tc' needs q and the summaries in one 16-bit dtype, got "
@@ -199,7 +216,6 @@ def quest_block_scores_batched(
         out = torch.empty(batch, num_kv_heads, max_blocks, dtype=torch.float32, device=q.device)
     if batch == 0 or max_blocks == 0:
         return out
-    block_d = max(16, triton.next_power_of_2(head_dim))
     if block_nb is None:
         # 16 KB of each summary tensor per program (the measured float32 configuration); for
         # 2-byte summaries that also means fewer instructions per block (SASS: fma 120 vs 148
@@ -230,6 +246,7 @@ def quest_block_scores_batched(
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
+        D_CHUNKS=d_chunks,
         BLOCK_NB=block_nb,
         PRECISION=precision,
         INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",

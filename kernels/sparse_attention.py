@@ -14,6 +14,15 @@ of the ``sm_scale``-scaled logits), so partial attentions can be merged later. A
 valid slot gets output 0 and LSE ``-inf`` (as the reference's ``sparse_attention_with_lse``).
 The number of splits depends only on static shapes (``B``, ``Hkv``, ``K``), so the two launches
 are CUDA-graph safe.
+
+MLA (SGLang's latent pool, :mod:`sglang_ext.selection.mla`) is the case ``Hkv = 1``, ``D = R + P``
+(576), ``Dv = R`` (512) with ``v_buffer`` the strided view ``k_buffer[..., :R]``. Two parameters keep
+its per-program tiles bounded: head dims above 256 are walked in 64-wide chunks for ``q·k``
+(:func:`head_dim_tiling`; a 576-dim row padded to one 1024-wide tile would not fit in registers
+or shared memory), and a group wider than the output tile allows (``HEAD_TILE`` query heads, 16 at
+``Dv = 512``, e.g. 128 heads of DeepSeek-V3) is served by several programs per kv head. Neither
+changes anything for MHA/GQA heads (D <= 256 and groups of at most 64 heads: one chunk, one head
+tile, the tile sizes as before).
 """
 
 from __future__ import annotations
@@ -28,6 +37,23 @@ from sglang_ext.selection.reference import sparse_attention_with_lse
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 _BLOCK_N = 64  # selected slots per stage-1 tile
+# Head dims up to this are one tile; wider ones (MLA's 576) are walked in _D_CHUNK-wide chunks.
+_MAX_WHOLE_HEAD_DIM = 256
+_D_CHUNK = 64
+# fp32 accumulator elements (query heads x Dv) one stage-1 program keeps: 64 registers per
+# thread at 4 warps. Dv = 128 allows 64 heads (every GQA group), Dv = 512 (MLA) 16.
+_ACC_ELEMENTS = 8192
+# Value tiles at least this wide (MLA's 512-dim latent) are gathered 32 slots at a time.
+_WIDE_DV = 512
+
+
+def head_dim_tiling(head_dim: int) -> tuple[int, int]:
+    """(tile width, number of tiles) covering a head dim: one power-of-two tile up to 256 dims,
+    otherwise 64-wide chunks (576 = 9 x 64, no padding). Static: CUDA-graph safe."""
+    whole = max(16, triton.next_power_of_2(head_dim))
+    if whole <= _MAX_WHOLE_HEAD_DIM:
+        return whole, 1
+    return _D_CHUNK, triton.cdiv(head_dim, _D_CHUNK)
 
 
 @triton.jit
@@ -55,38 +81,39 @@ def _sparse_attn_split_kernel(
     NUM_SEL: tl.constexpr,
     CHUNK: tl.constexpr,
     GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
+    HEAD_TILE: tl.constexpr,
+    NUM_HEAD_TILES: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    D_CHUNKS: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
+    g = tl.program_id(1) // NUM_HEAD_TILES
+    head_tile = tl.program_id(1) % NUM_HEAD_TILES
     split = tl.program_id(2)
 
-    hh = tl.arange(0, GROUP_PAD)
+    hh = head_tile * HEAD_TILE + tl.arange(0, HEAD_TILE)
     heads = g * GROUP + hh
     hmask = hh < GROUP
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     dv = tl.arange(0, BLOCK_DV)
     dvmask = dv < HEAD_DIM_V
+    q_rows = Q + b * stride_qb + heads[:, None] * stride_qh
 
-    q = tl.load(
-        Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-        mask=hmask[:, None] & dmask[None, :],
-        other=0.0,
-    )
-    if DOT_F32:
-        q = q.to(tl.float32)
+    if D_CHUNKS == 1:  # the whole head is one tile: keep q in registers for every KV tile
+        q = tl.load(q_rows + d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, BLOCK_DV], tl.float32)
+    m_i = tl.full([HEAD_TILE], float("-inf"), tl.float32)
+    l_i = tl.zeros([HEAD_TILE], tl.float32)
+    acc = tl.zeros([HEAD_TILE, BLOCK_DV], tl.float32)
 
     slot_base = SLOTS + b * stride_sb + g * stride_sg
     for i in range(CHUNK // BLOCK_N):
@@ -97,14 +124,27 @@ def _sparse_attn_split_kernel(
         # budget is below the workspace's: the accuracy guard's per-request budgets) adds
         # nothing: skip its loads and dots.
         if tl.max(slot) >= 0:
-            k = tl.load(
-                K_BUFFER + slot[:, None] * stride_kn + g * stride_kh + d[None, :],
-                mask=valid[:, None] & dmask[None, :],
-                other=0.0,
-            )
-            if DOT_F32:
-                k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2  # [GP, BN]
+            k_rows = K_BUFFER + slot[:, None] * stride_kn + g * stride_kh
+            if D_CHUNKS == 1:
+                k = tl.load(k_rows + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+                if DOT_F32:
+                    k = k.to(tl.float32)
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [HT, BN]
+            else:
+                # wide heads (MLA's 576): q·k chunk by chunk; the q chunks are re-read (L1)
+                s = tl.zeros([HEAD_TILE, BLOCK_N], tl.float32)
+                for c in tl.static_range(D_CHUNKS):
+                    dc = c * BLOCK_D + d
+                    dcmask = dc < HEAD_DIM
+                    qc = tl.load(q_rows + dc[None, :], mask=hmask[:, None] & dcmask[None, :],
+                                 other=0.0)
+                    kc = tl.load(k_rows + dc[None, :], mask=valid[:, None] & dcmask[None, :],
+                                 other=0.0)
+                    if DOT_F32:
+                        qc = qc.to(tl.float32)
+                        kc = kc.to(tl.float32)
+                    s = tl.dot(qc, tl.trans(kc), acc=s, input_precision=PRECISION)
+            s = s * qk_scale_log2
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
@@ -256,13 +296,22 @@ def sparse_attention_batched(
         return out, lse
 
     block_n = min(_BLOCK_N, max(16, triton.next_power_of_2(max(num_sel, 1))))
+    block_d, d_chunks = head_dim_tiling(head_dim)
+    block_dv = max(16, triton.next_power_of_2(head_dim_v))
+    if block_dv >= _WIDE_DV:
+        # a [BLOCK_N, Dv] value tile of 32 rows keeps MLA's 512-wide latent values in registers
+        # (split_layout's chunk is a multiple of 64, so of 32 too)
+        block_n = min(block_n, 32)
+    group_pad = max(16, triton.next_power_of_2(group))
+    head_tile = min(group_pad, max(16, _ACC_ELEMENTS // block_dv))
+    num_head_tiles = group_pad // head_tile
     # fp32 KV: exact fp32 dots (tf32 would lose ~3 decimal digits); 16-bit KV: the default
     # (tensor cores, fp32 accumulation).
     precision = "ieee" if k_buffer.dtype == torch.float32 else None
     # Triton's CPU interpreter multiplies the raw bits of 16-bit floats in tl.dot: there, feed
     # the dots exact fp32 copies of the same (already rounded) values instead.
     dot_f32 = bool(triton.knobs.runtime.interpret) and k_buffer.dtype != torch.float32
-    _sparse_attn_split_kernel[(batch, num_kv_heads, splits)](
+    _sparse_attn_split_kernel[(batch, num_kv_heads * num_head_tiles, splits)](
         q,
         k_buffer,
         v_buffer,
@@ -286,11 +335,13 @@ def sparse_attention_batched(
         NUM_SEL=num_sel,
         CHUNK=chunk,
         GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_TILE=head_tile,
+        NUM_HEAD_TILES=num_head_tiles,
         HEAD_DIM=head_dim,
         HEAD_DIM_V=head_dim_v,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)),
+        BLOCK_D=block_d,
+        D_CHUNKS=d_chunks,
+        BLOCK_DV=block_dv,
         BLOCK_N=block_n,
         PRECISION="ieee" if dot_f32 else precision,
         DOT_F32=dot_f32,

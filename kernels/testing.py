@@ -83,12 +83,16 @@ def make_paged_batch(
     dyadic: bool = False,
     spare_pages: int = 5,
     summary_dtype: torch.dtype | None = None,
+    latent_values: int | None = None,
 ) -> PagedBatch:
     """A batch of requests of lengths ``lens`` (``seq_len`` includes the current token, whose
     k/v is written), with block summaries built by :func:`update_block_summaries` from the KV
     written in ``summary_chunks`` rounds (each round writes a random-length chunk of every
     request in one call, so chunk boundaries fall inside pages). ``summary_chunks=0`` skips
-    the summaries. The summaries are in ``summary_dtype`` (default: the KV ``dtype``)."""
+    the summaries. The summaries are in ``summary_dtype`` (default: the KV ``dtype``).
+
+    ``latent_values=R`` lays the pool out as SGLang's MLA pool: ``v_buffer`` is the view
+    ``k_buffer[..., :R]`` (the latent part of each row; ``head_dim_v`` is then ``R``)."""
     bs = page_size
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     batch = len(lens)
@@ -129,8 +133,13 @@ def make_paged_batch(
         )
         v_buffer[slots] = random_values(gen, length, num_kv_heads, head_dim_v, dtype=dtype)
 
+    k_buffer = k_buffer.to(device)
+    if latent_values is not None:
+        if num_kv_heads != 1 or not 0 < latent_values <= head_dim:
+            raise ValueError("an MLA pool has one latent head of head_dim >= latent_values")
+        v_buffer = k_buffer[..., :latent_values]
     pb = PagedBatch(
-        k_buffer=k_buffer.to(device),
+        k_buffer=k_buffer,
         v_buffer=v_buffer.to(device),
         req_to_token=req_to_token.to(device),
         req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=device),

@@ -139,7 +139,7 @@ def _around_build_mha_kv_pool(original: Callable, self: Any, *, max_total_num_to
     layout = _layout
 
     def build(_logical_size: int, **kwargs: Any) -> TieredKVPool:
-        return TieredKVPool(layout=layout, mode=cfg.tier, **kwargs)
+        return TieredKVPool(layout=layout, mode=cfg.tier, timing=cfg.tier_timing == "on", **kwargs)
 
     return original(self, max_total_num_tokens=max_total_num_tokens,
                     mha_pool_class=build, quant_method=quant_method)

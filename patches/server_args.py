@@ -29,6 +29,7 @@ def _around_from_cli_args(original: Callable, cls: type, args: argparse.Namespac
     server_args = original(cls, args)
     attach_config(server_args, cfg)
     if uses_sparse_backend(server_args):
+        refuse_mla_models(server_args)
         _check_label_config(server_args, cfg)
         _check_head_policy(server_args, cfg)
         _check_eviction_head(server_args, cfg)
@@ -81,6 +82,19 @@ def uses_sparse_backend(server_args: Any) -> bool:
         server_args.prefill_attention_backend,
     )
     return BACKEND_NAME in names
+
+
+def refuse_mla_models(server_args: Any) -> None:
+    """MLA models (DeepSeek-V2/V3 and kin: one latent KV row per token) stop start-up in one line.
+    Their selection and kernels exist at the operator level (selection/mla.py, tests/
+    test_kernels_mla.py) but the backend does not decode MLA pools yet (issue 9); without this
+    check the first decode would fail deep inside the scheduler."""
+    from sglang.srt.configs.model_config import AttentionArch
+
+    if server_args.get_model_config().attention_arch == AttentionArch.MLA:
+        raise SystemExit(
+            "sglang_ext: MLA models (latent KV pool) are not served by --attention-backend "
+            "sglang_ext yet; use one of SGLang's MLA backends (e.g. --attention-backend triton)")
 
 
 def _check_label_config(server_args: Any, cfg: sparse_config.SparseConfig) -> None:

@@ -22,6 +22,7 @@ IMPLS = ("auto", "reference", "triton")
 TIER_MODES = ("off", "sync", "async")
 TIER_METHODS = ("quest", "two_level")  # the tier fetches what a block filter chose
 DENSE_DECODE_MODES = ("sglang", "float32")  # the reference decode's dense rows
+ON_OFF = ("off", "on")
 # The locality constraint's query-agnostic scores (selection/locality.py: SCORE_KINDS).
 EVICTION_SCORES = ("attention", "key_norm", "learned")
 ENV_CONFIG = "SGLANG_EXT_CONFIG"  # JSON fallback for sgl.Engine(...), which rejects unknown kwargs
@@ -46,6 +47,7 @@ class SparseConfig:
     tier: str = "off"
     tier_host_gb: float = 0.0  # 0 = auto: half of the host memory available at start-up
     tier_gpu_tokens: int = 0  # 0 = auto: what the GPU holds after the working area
+    tier_timing: str = "off"  # stream-clock timing of the tier's transfers: see ON_OFF
     locality_blocks: int = 0  # NOSA k_e: query-agnostic blocks per kv head (0 = off)
     eviction_score: str = "attention"  # see EVICTION_SCORES
     eviction_head: Optional[str] = None  # trained eviction heads (selection/eviction_head.py)
@@ -153,6 +155,10 @@ _FLAGS: tuple[tuple[str, str, str, str], ...] = (
     ("tier_gpu_tokens", "--sparse-tier-gpu-tokens", "TOKENS",
      "KV slots homed on the GPU with the tier on (0 = all the GPU holds beside the tier's "
      "working area); a small value forces requests onto the host (tests)."),
+    ("tier_timing", "--sparse-tier-timing", "{off,on}",
+     "Time the tier's transfers on the GPU's own clock, inside the decode CUDA graph (a few "
+     "tiny kernels per layer): transfer seconds, the part the step waited for, and the hidden "
+     "fraction, in the tier stats log line and /metrics."),
 )
 _FIELD_BY_FLAG = {flag: field for field, flag, _, _ in _FLAGS}
 _FLAG_BY_FIELD = {field: flag for field, flag, _, _ in _FLAGS}
@@ -289,6 +295,10 @@ def _validate(cfg: SparseConfig) -> None:
             )
     if cfg.tier_gpu_tokens < 0:
         fail("tier_gpu_tokens", "must be >= 0 (0 = auto)")
+    if cfg.tier_timing not in ON_OFF:
+        fail("tier_timing", f"must be one of {', '.join(ON_OFF)}")
+    if cfg.tier_timing == "on" and cfg.tier == "off":
+        fail("tier_timing", "needs --sparse-tier sync or async (it times the tier's transfers)")
     if cfg.guard_every < 0:
         fail("guard_every", "must be >= 0 (0 = off)")
     if not 0.0 < cfg.guard_recall < 1.0:

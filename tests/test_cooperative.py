@@ -12,8 +12,9 @@ from sglang_ext.memory_tier.cooperative import (
     HostAttentionWorkers,
     PriorityScheduler,
     attend_blocks,
+    calibrate_cpu_cost,
     cooperative_attention,
-        split_selection,
+    split_selection,
 )
 from sglang_ext.selection.reference import merge_attention_states
 
@@ -87,8 +88,8 @@ def check_plan(plan, resident, missing, cost, page_size):
     ordered = [gpu_work[i] for i in plan.gpu_order]
     assert ordered == sorted(ordered, reverse=True)  # the largest GPU work first
     assert plan.est_cpu_s <= plan.est_gpu_s + 1e-12  # the CPU is off the critical path
-    for items in plan.cpu_items:
-        busy = sum(cost.cpu_fixed_s + missing[i] * cost.cpu_s_per_token for i in items)
+    for items in plan.cpu_items:  # one task per thread: one fixed cost, then its tokens
+        busy = (cost.cpu_fixed_s if items else 0.0) + sum(missing[i] for i in items) * cost.cpu_s_per_token
         assert busy <= plan.est_gpu_s + 1e-12
     return on_cpu
 
@@ -115,6 +116,52 @@ def test_scheduler_without_cpu_threads_or_with_a_slow_cpu_fetches_everything():
         assert plan.fetched == [0, 2, 3] and not any(plan.cpu_items)
     with pytest.raises(ValueError):
         PriorityScheduler(CostModel(), -1)
+
+
+def test_scheduler_gives_a_cpu_slower_than_modelled_less_work_then_none():
+    """observe(): when the workers take longer than the plan's estimate, the scheduler scales
+    its CPU costs up, so the CPU gets fewer miss sets; a much slower CPU soon gets none."""
+    gen = torch.Generator().manual_seed(5)
+    resident = torch.randint(1000, 4096, (64,), generator=gen)
+    missing = torch.randint(16, 512, (64,), generator=gen)
+    cost = CostModel(gpu_s_per_token=1e-8, cpu_s_per_token=1e-7, fetch_s_per_block=2e-7,
+                     cpu_fixed_s=1e-6)
+    sched = PriorityScheduler(cost, cpu_threads=4)
+    counts = []
+    for _ in range(8):
+        plan = sched.plan(resident, missing, 16)
+        counts.append(sum(len(items) for items in plan.cpu_items))
+        sched.observe(plan, plan.est_cpu_s * 10)  # the CPU really took 10x the estimate
+    assert counts[0] > 0 and counts[-1] == 0
+    assert all(a >= b for a, b in zip(counts, counts[1:]))
+    # an accurate estimate leaves the correction where it is
+    steady = PriorityScheduler(cost, cpu_threads=4)
+    plan = steady.plan(resident, missing, 16)
+    steady.observe(plan, plan.est_cpu_s)
+    assert steady.cpu_scale == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        PriorityScheduler(cost, 4, adapt=1.5)
+
+
+def test_workers_report_their_time_and_calibration_is_positive(kv):
+    q, host_k, host_v, gen = kv
+    workers = HostAttentionWorkers(2)
+    try:
+        fixed, per_token = calibrate_cpu_cost(workers, host_k, host_v, G, PS, SCALING,
+                                              items_per_thread=2, blocks_per_item=(2, 12),
+                                              repeats=3)
+        selected = random_selection(gen)
+        plan = PriorityScheduler(CostModel(cpu_s_per_token=1e-12, cpu_fixed_s=0.0), 2).plan(
+            torch.full((B * HKV,), 10_000), torch.full((B * HKV,), 8 * PS), PS)
+        fut = workers.submit(q, host_k, host_v, selected, plan, PS, SCALING)
+        out, lse = fut.result()
+    finally:
+        workers.close()
+    assert fixed >= 0 and per_token >= 0 and fixed + per_token > 0
+    assert fut.cpu_seconds > 0
+    want, want_lse = attend_blocks(q, host_k, host_v, selected, PS, SCALING)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)  # every item went to the CPU
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("cpu_cost", [1e-9, 2e-7, 1.0])  # CPU takes all, some, none

@@ -15,6 +15,7 @@ from benchmarks.e2e_serving import (
     server_log_stats,
     tier_traffic,
 )
+from benchmarks.soak import TIE_MARGIN
 
 
 def _reply(ids: list[int], margins: list[float]) -> dict:
@@ -32,6 +33,18 @@ def test_compare_greedy_tells_near_ties_from_mismatches() -> None:
     assert len(got["greedy_mismatches"]) == 1 and got["greedy_mismatches"][0].startswith("prompt 2")
     # decisive tokens: the matched prefix's tokens with a clear reference margin: 3 + 1 + 1
     assert got["greedy_decisive_tokens"] == 5
+    assert [(d["prompt"], d["token"], d["reference_margin"]) for d in got["greedy_first_diffs"]] \
+        == [(1, 1, 0.01), (2, 1, 2.0)]
+
+
+def test_a_difference_at_exactly_one_bf16_step_is_a_tie_and_one_above_is_not() -> None:
+    """TIE_MARGIN (0.25) is one bf16 step of logits in [32, 64): a first difference at a margin
+    of exactly that is a near tie; anything clearly above it is a mismatch."""
+    ref = [_reply([1, 2], [2.0, 0.25]), _reply([3, 4], [2.0, 0.26])]
+    out = [_reply([1, 5], [0, 0]), _reply([3, 5], [0, 0])]
+    got = compare_greedy(ref, out, tie_margin=TIE_MARGIN)
+    assert got["greedy_near_tie"] == 1
+    assert len(got["greedy_mismatches"]) == 1 and got["greedy_mismatches"][0].startswith("prompt 1")
 
 
 def test_merge_rows_keeps_other_runs_and_replaces_the_same_one(tmp_path: Path) -> None:

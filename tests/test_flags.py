@@ -32,6 +32,8 @@ from server_utils import LABELS, free_port, launch_command, server_env
         ({"tier_host_gb": -1}, "--sparse-tier-host-gb"),
         ({"tier": "sync", "tier_host_gb": 1e9}, "--sparse-tier-host-gb"),
         ({"tier_gpu_tokens": -16}, "--sparse-tier-gpu-tokens"),
+        ({"tier": "async", "tier_timing": "yes"}, "--sparse-tier-timing"),
+        ({"tier_timing": "on"}, "--sparse-tier-timing"),  # nothing to time without the tier
         ({"tier": "async", "candidate_blocks": 64}, "--sparse-candidate-blocks"),
         ({"dense_decode": "fp16"}, "--sparse-dense-decode"),
         ({"scoring": "mass"}, "--sparse-scoring"),
@@ -73,7 +75,8 @@ def test_help_lists_our_flags():
     for flag in ("--sparse-budget", "--sparse-block-size", "--sparse-candidate-blocks",
                  "--sparse-sink", "--sparse-window", "--sparse-label-channels",
                  "--sparse-method", "--sparse-label-config", "--sparse-tier",
-                 "--sparse-tier-host-gb", "--sparse-tier-gpu-tokens", "--sparse-guard-every",
+                 "--sparse-tier-host-gb", "--sparse-tier-gpu-tokens", "--sparse-tier-timing",
+                 "--sparse-guard-every",
                  "--sparse-guard-recall", "--sparse-guard-max-budget",
                  "--sparse-locality-blocks", "--sparse-eviction-score", "--sparse-eviction-head"):
         assert flag in out.stdout

@@ -82,7 +82,7 @@ class TieredSetup:
     whole pool, a poisoned device pool holding only sink/window pages + working-set slots for
     tiered rows and every page of resident rows."""
 
-    def __init__(self, pb, params, tiered_batch_entries, mode, device):
+    def __init__(self, pb, params, tiered_batch_entries, mode, device, timing=False):
         bs = params.block_size
         self.pb, self.params = pb, params
         num_slots_pool = pb.k_buffer.shape[0]
@@ -98,7 +98,7 @@ class TieredSetup:
         self.tier = WorkingSetTier(
             num_layers=1, num_kv_heads=hkv, max_rows=rows, max_blocks=pb.max_blocks,
             num_slots=num_cand, page_size=bs, max_batch=len(pb.lens), host=self.host,
-            device=device, mode=mode,
+            device=device, mode=mode, timing=timing,
         )
         # device pool: page 0 = padding page, then pages handed out as needed
         total_pages = 1 + sum(-(-n // bs) for n in pb.lens) + len(pb.lens) * num_cand
@@ -128,7 +128,7 @@ class TieredSetup:
                 next_page += num_cand
         assert next_page <= total_pages
 
-    def step_tiered(self, q, channels):
+    def step_tiered(self, q, channels, before_fence=None):
         pb = self.pb
         on_blocks, attend = self.tier.decode_hooks(0, pb.req_pool_indices, pb.req_to_token,
                                                    self.dev_k, self.dev_v)
@@ -138,6 +138,8 @@ class TieredSetup:
             page_map=self.tier.page_map(0), on_blocks=on_blocks, attend_blocks=attend,
         ).clone()
         self.tier.after_layer(0, pb.req_pool_indices, pb.req_to_token, self.dev_k, self.dev_v)
+        if before_fence is not None:
+            before_fence()  # stands for the layers after this one (compute the prefetch hides in)
         self.tier.finish_step()
         return out
 
@@ -161,14 +163,15 @@ def _untiered(pb, q, params, channels, attend_blocks=None, seen=None):
     ).clone()
 
 
-def _case(method, device, dtype=torch.bfloat16, lens=(70, 23, 95), steps=3, mode="sync"):
+def _case(method, device, dtype=torch.bfloat16, lens=(70, 23, 95), steps=3, mode="sync",
+          timing=False):
     hkv, d, bs = 2, 16, 4
     params = SelectionParams(method, 32, bs, 10 if method == "two_level" else 1, 4, 8)
     gen = case_generator("tier", method, mode, lens)
     pb = make_paged_batch(gen, list(lens), hkv, d, bs, dtype=dtype, device=device)
     channels = torch.stack([torch.randperm(d, generator=gen)[:5] for _ in range(hkv)]).to(device)
     # entry 1 (23 tokens, within the budget) stays resident; the others are tiered
-    setup = TieredSetup(pb, params, {0, 2}, mode, device)
+    setup = TieredSetup(pb, params, {0, 2}, mode, device, timing=timing)
     qs = [random_values(gen, len(lens), 2 * hkv, d, dtype=dtype, device=device) for _ in range(steps)]
     return pb, params, channels, setup, qs
 
@@ -242,3 +245,38 @@ def test_gpu_tier_modes(mode):
         torch.cuda.synchronize()
         assert torch.equal(got, expected)
         prev = seen[0]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_tier_timing_on_the_cpu_counts_every_transfer_as_waited_for(mode):
+    """--sparse-tier-timing: the same outputs; the transfer time is measured, and without a
+    side stream (CPU) the step waits for all of it, so nothing is hidden."""
+    pb, params, channels, timed, qs = _case("two_level", "cpu", mode=mode, timing=True)
+    *_, plain, _ = _case("two_level", "cpu", mode=mode)
+    for q in qs:
+        assert torch.equal(timed.step_tiered(q, channels), plain.step_tiered(q, channels))
+    stats = timed.tier.read_stats()
+    assert stats["transfer_s"] > 0 and stats["exposed_transfer_s"] == stats["transfer_s"]
+    assert stats["hidden_fraction"] == 0.0
+    assert "transfer_s" not in plain.tier.read_stats()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_gpu_tier_timing_sees_the_prefetch_hidden_behind_compute(mode):
+    """async: the prefetch runs on the side stream while the compute stream is busy (a 20 ms
+    sleep kernel standing for the remaining layers), so almost none of it is waited for; sync:
+    all of it is. Also under CUDA graph replay of the clock kernels (kernels/stream_clock.py)."""
+    pb, params, channels, setup, qs = _case("two_level", "cuda", lens=(700, 23, 950), steps=4,
+                                            mode=mode, timing=True)
+    busy = lambda: torch.cuda._sleep(40_000_000)  # noqa: E731 (~20 ms at ~2 GHz)
+    for q in qs:
+        setup.step_tiered(q, channels, before_fence=busy)
+    torch.cuda.synchronize()
+    stats = setup.tier.read_stats()
+    assert stats["transfer_s"] > 0
+    if mode == "async":
+        assert stats["hidden_fraction"] > 0.9
+    else:
+        assert stats["hidden_fraction"] == 0.0

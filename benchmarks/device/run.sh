@@ -2,8 +2,8 @@
 # One self-contained run on the GPU host (see ../shared/gpu/README.md): unpack the SGLang bundle,
 # install this repo, then the named steps. Results land in $OUT (or benchmarks/results).
 # Usage: bash benchmarks/device/run.sh COMMIT STEP...
-#   steps: env gputests operator tier fluxion transfer server e2e soak locality tp2-greedy
-#   (tp2-greedy: on nvidia-h200-x2)
+#   steps: env gputests operator tier fluxion transfer server e2e soak capacity locality
+#   tp2-greedy (tp2-greedy: on nvidia-h200-x2)
 # Wheels in .whl/ (carried, git-ignored; e.g. prometheus_client for --enable-metrics, which the
 # bundle lacks) are installed first.
 set -uo pipefail
@@ -47,18 +47,37 @@ for step in "$@"; do
       # >= 200 requests of 1k-128k tokens, ~10 % aborted, CPU tier on, metrics on; decisive dummy
       # weights so that the reference subset's greedy comparison means something. A 128k prompt
       # takes ~40 s to prefill here (8k chunks at 120k positions: ~5 s each), so 128k prompts
-      # are a few among many short ones (a uniform mix did not finish in 10 minutes).
+      # are a few among many short ones (a uniform mix did not finish in 10 minutes). The dense
+      # reference (triton full attention, no CUDA graphs: it starts fastest) runs first, for
+      # prompts within our budget of 2048.
       SGLANG_EXT_DUMMY_WEIGHTS=scaled SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 \
       python3 benchmarks/soak.py --server-log "$OUT/soak_server.log" --out "$OUT/soak_h200.json" \
         --requests "${SOAK_REQUESTS:-200}" --concurrency 12 --max-new-tokens 32 \
         --lengths 1024:70 2048:50 4096:35 8192:20 16384:12 32768:8 131072:5 \
-        --time-limit "${SOAK_SECONDS:-330}" \
+        --time-limit "${SOAK_SECONDS:-300}" \
+        --dense-reference 4 --dense-lengths 1000 1500 \
+        --dense-launch "--model-path .gpu/models/qwen3-8b-shape --tokenizer-path .gpu/models/tokenizer \
+          --load-format dummy --sampling-backend pytorch --grammar-backend none \
+          --context-length 4096 --mem-fraction-static 0.5 --disable-cuda-graph \
+          --attention-backend triton" \
         --launch "--model-path .gpu/models/qwen3-8b-shape --tokenizer-path .gpu/models/tokenizer \
           --load-format dummy --sampling-backend pytorch --grammar-backend none \
           --context-length 163840 --mem-fraction-static 0.8 --cuda-graph-backend-prefill disabled \
           --cuda-graph-max-bs 16 --max-running-requests 16 --enable-metrics \
           --attention-backend sglang_ext --sparse-budget 2048 --sparse-block-size 32 \
-          --sparse-tier async --sparse-tier-host-gb 64" || status=1 ;;
+          --sparse-tier async --sparse-tier-host-gb 64 --sparse-tier-timing on" || status=1 ;;
+    capacity)
+      # Issue 4: how many concurrent 128k requests each server admits, full attention (flashinfer)
+      # vs ours with the CPU tier, beside the physical limit (device KV + pinned host) / device KV
+      # computed from the two servers' logs (capacity_vs_limit in the rows); tier timing on, so
+      # the row's tier stats carry the hidden-transfer fraction. Prompts: enough for twice
+      # what full attention holds; short outputs (admission, not decode speed, is measured).
+      SGLANG_EXT_TIER_HOST_GB="${CAP_HOST_GB:-96}" \
+      python3 benchmarks/e2e_serving.py --out "$OUT" --configs flashinfer sglang_ext_tier_fi \
+        --input-len 131072 --output-len "${CAP_OUTPUT:-64}" --num-prompts "${CAP_PROMPTS:-12}" \
+        --concurrency "${CAP_PROMPTS:-12}" --results-name capacity_h200 \
+        --extra "--mem-fraction-static 0.8 --max-running-requests 16 --cuda-graph-max-bs 16" \
+        || status=1 ;;
     locality)
       # NOSA's locality constraint on vs off, CPU tier with every page on the host, same budget:
       # host->GPU bytes per decode step (tier counters) and throughput, 4 x 64k prompts
@@ -75,10 +94,11 @@ for step in "$@"; do
       done ;;
     tp2-greedy)
       # TP=2 (nvidia-h200-x2): greedy outputs of ours with every page on the host tier, budget >=
-      # context, against triton full attention at --tp 2.
+      # context, against triton full attention at --tp 2; flashinfer full attention is the
+      # control (how far two of SGLang's own full-attention kernels are from each other).
       SGLANG_EXT_DUMMY_WEIGHTS=scaled SGLANG_EXT_TIER_HOST_GB=96 SGLANG_EXT_TIER_GPU_TOKENS=16 \
       python3 benchmarks/e2e_serving.py --out "$OUT" --model .gpu/models/qwen3-14b-shape \
-        --configs triton sglang_ext_tier --tp 2 --input-len 65536 --num-prompts 0 \
+        --configs triton flashinfer sglang_ext_tier --tp 2 --input-len 65536 --num-prompts 0 \
         --greedy-check 8 --greedy-output-len 96 --results-name tp2_greedy_h200 \
         --extra "--mem-fraction-static 0.8 --cuda-graph-max-bs 8 --max-running-requests 8" \
         || status=1 ;;

@@ -22,6 +22,8 @@ Shapes: ``q`` ``[B, Hq, D]``; host K/V per layer ``[Hkv, N, D]`` (:class:`HostKV
 from __future__ import annotations
 
 import heapq
+import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -41,25 +43,35 @@ def block_token_index(blocks: Tensor, page_size: int) -> tuple[Tensor, Tensor]:
     return tok, valid
 
 
+def attend_items(q: Tensor, k: Tensor, v: Tensor, heads: Tensor, blocks: Tensor, page_size: int,
+                 scaling: float) -> tuple[Tensor, Tensor]:
+    """Partial attention of independent items, in float32: item ``i`` is one kv head's query
+    group ``q[i]`` (``[n, G, D]``) over the tokens of ``blocks[i]`` (``[n, M]``, ``-1`` padding)
+    of kv head ``heads[i]`` of a head-major K/V (``[Hkv, N, D]``, host or device). Returns
+    ``(out [n, G, Dv], lse [n, G])``, ``lse = -inf`` where an item attends nothing. One gather
+    and two batched GEMMs for all items: what a CPU thread runs over its share of a step."""
+    tok, valid = block_token_index(blocks.to(k.device), page_size)  # [n, T]
+    heads = heads.to(k.device).long()[:, None]
+    keys = k[heads, tok].float()  # [n, T, D]
+    values = v[heads, tok].float()
+    scores = torch.matmul(q.to(k.device).float(), keys.transpose(-1, -2)) * scaling  # [n, G, T]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # -inf where nothing is valid
+    probs = torch.exp(scores - _zero_if_neg_inf(lse)[..., None])
+    return torch.matmul(probs, values), lse
+
+
 def attend_blocks(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, page_size: int,
                   scaling: float) -> tuple[Tensor, Tensor]:
-    """Partial attention of ``q`` over the tokens of ``blocks`` of a head-major K/V
-    (``[Hkv, N, D]``, host or device), in float32: ``(out [B, Hq, Dv], lse [B, Hq])``. Grouped
-    query heads share their kv head's blocks. Vectorised over the batch and heads (one gather,
-    two batched GEMMs), which is what a CPU thread runs on the host copy."""
+    """Partial attention of ``q`` (``[B, Hq, D]``) over the tokens of ``blocks`` (``[B, Hkv,
+    M]``) of a head-major K/V (``[Hkv, N, D]``), in float32: ``(out [B, Hq, Dv], lse [B, Hq])``.
+    Grouped query heads share their kv head's blocks: every (request, kv head) is one item."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[0]
     group = num_q_heads // num_kv_heads
-    tok, valid = block_token_index(blocks.to(k.device), page_size)  # [B, Hkv, T]
-    heads = torch.arange(num_kv_heads, device=k.device)[None, :, None]
-    keys = k[heads, tok].float()  # [B, Hkv, T, D]
-    values = v[heads, tok].float()
-    qg = q.to(k.device).float().view(batch, num_kv_heads, group, head_dim)
-    scores = torch.matmul(qg, keys.transpose(-1, -2)) * scaling  # [B, Hkv, G, T]
-    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # -inf where nothing is valid
-    probs = torch.exp(scores - _zero_if_neg_inf(lse)[..., None])
-    out = torch.matmul(probs, values)  # [B, Hkv, G, Dv]
+    heads = torch.arange(num_kv_heads, device=blocks.device).repeat(batch)
+    out, lse = attend_items(q.reshape(batch * num_kv_heads, group, head_dim), k, v, heads,
+                            blocks.reshape(batch * num_kv_heads, -1), page_size, scaling)
     return out.reshape(batch, num_q_heads, -1), lse.reshape(batch, num_q_heads)
 
 
@@ -70,20 +82,24 @@ def attend_blocks(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, page_size: in
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds per attended token on each side, and per block moved host -> GPU (measured by
-    ``benchmarks/bench_fluxion.py``; the defaults are only a starting point for planning)."""
+    """Seconds per attended token on each side, and per block moved host -> GPU. The CPU side
+    is per worker thread: one task per thread and layer costs ``cpu_fixed_s`` (hand-off, batch
+    assembly, result copy) plus ``cpu_s_per_token`` per attended token. Measure them on the
+    machine (``calibrate_cpu_cost``, ``benchmarks/bench_fluxion.py``); the defaults are only a
+    starting point for planning."""
 
     gpu_s_per_token: float = 2e-9
     cpu_s_per_token: float = 2e-7  # per CPU thread
     fetch_s_per_block: float = 1e-7
-    cpu_fixed_s: float = 2e-5  # per CPU task: hand-off, q copy, result copy back
+    cpu_fixed_s: float = 2e-5  # per CPU task (one per thread that has work in a layer)
 
 
 @dataclass
 class CooperativePlan:
     """Per (request, kv head) item: ``gpu_order`` lists the items largest GPU work first;
     ``cpu_items[t]`` the items CPU thread ``t`` attends (their misses); ``fetched`` the items
-    whose misses go to the GPU instead. ``est_gpu_s`` / ``est_cpu_s``: the model's finish times."""
+    whose misses go to the GPU instead. ``est_gpu_s`` / ``est_cpu_s``: the model's finish times
+    (the CPU's with the scheduler's current correction)."""
 
     gpu_order: list[int]
     cpu_items: list[list[int]]
@@ -102,17 +118,34 @@ class PriorityScheduler:
     Miss sets are offered to the CPU smallest first (they finish soonest and free the GPU of
     the fetch's fixed cost); each goes to the least-loaded CPU thread if that thread still
     finishes before the GPU's estimate with that item removed from the GPU, otherwise it and
-    every larger one is fetched."""
+    every larger one is fetched.
 
-    def __init__(self, cost: CostModel, cpu_threads: int) -> None:
+    The CPU estimate is corrected online: :meth:`observe` compares a plan's estimate with the
+    CPU time the workers really took (contention between threads, the interpreter, memory
+    bandwidth shared with the transfers are not in a calibration), and scales the CPU costs by
+    a moving average of the ratio, so a CPU slower than modelled soon gets less work (or none)."""
+
+    def __init__(self, cost: CostModel, cpu_threads: int, adapt: float = 0.5) -> None:
         if cpu_threads < 0:
             raise ValueError(f"cpu_threads must be >= 0 (got {cpu_threads})")
+        if not 0.0 <= adapt <= 1.0:
+            raise ValueError(f"adapt must be in [0, 1] (got {adapt})")
         self.cost = cost
         self.cpu_threads = cpu_threads
+        self.adapt = adapt
+        self.cpu_scale = 1.0  # observed / modelled CPU time, moving average
+
+    def observe(self, plan: CooperativePlan, cpu_seconds: float) -> None:
+        """The CPU wall time the workers took for ``plan`` (e.g. ``future.cpu_seconds``)."""
+        if plan.est_cpu_s > 0 and cpu_seconds > 0:
+            ratio = cpu_seconds / plan.est_cpu_s  # est_cpu_s already includes cpu_scale
+            self.cpu_scale *= (1.0 - self.adapt) + self.adapt * ratio
 
     def plan(self, resident: Tensor, missing: Tensor, page_size: int) -> CooperativePlan:
         """``resident``/``missing``: tokens per item (1-D, equal length)."""
         c = self.cost
+        cpu_fixed = c.cpu_fixed_s * self.cpu_scale
+        cpu_per_token = c.cpu_s_per_token * self.cpu_scale
         res = resident.tolist()
         miss = missing.tolist()
         n = len(res)
@@ -121,6 +154,7 @@ class PriorityScheduler:
             return m * c.gpu_s_per_token + (-(-m // page_size)) * c.fetch_s_per_block
 
         gpu_total = sum(r * c.gpu_s_per_token for r in res) + sum(gpu_cost_of_miss(m) for m in miss)
+        # (finish time, thread); a thread's first item also pays the task's fixed cost.
         threads = [(0.0, t) for t in range(self.cpu_threads)]
         heapq.heapify(threads)
         cpu_items: list[list[int]] = [[] for _ in range(self.cpu_threads)]
@@ -129,7 +163,7 @@ class PriorityScheduler:
             if not threads:
                 break
             load, t = threads[0]
-            cpu_time = load + c.cpu_fixed_s + miss[i] * c.cpu_s_per_token
+            cpu_time = load + (0.0 if cpu_items[t] else cpu_fixed) + miss[i] * cpu_per_token
             gpu_after = gpu_total - gpu_cost_of_miss(miss[i])
             if cpu_time > gpu_after:
                 break  # larger ones would take longer still
@@ -159,65 +193,115 @@ class HostAttentionWorkers:
     :meth:`submit` takes the step's query (already on the host), the host K/V of the layer and
     the miss blocks per (request, kv head), with the plan's per-thread item lists; it returns a
     future of ``(out, lse)`` for the whole batch (items not given to the CPU: ``lse = -inf``),
-    ready for ``merge_attention_states`` with the GPU's partial. torch releases the GIL inside its
-    kernels, so the threads run in parallel; torch's intra-op thread count is process-wide, so
-    the caller sets it (1 when the workers use the cores, as ``bench_fluxion.py`` does)."""
+    ready for ``merge_attention_states`` with the GPU's partial; once done, its ``cpu_seconds``
+    is the wall time until the last thread finished (for :meth:`PriorityScheduler.observe`). Each thread
+    attends all its items in one vectorised call (per-item calls cost more in interpreter
+    overhead than the attention itself). torch releases the GIL inside its kernels, so the
+    threads run in parallel; torch's intra-op thread count is process-wide, so the caller sets
+    it (1 when the workers use the cores, as ``bench_fluxion.py`` does)."""
 
     def __init__(self, threads: int) -> None:
         self.threads = max(threads, 0)
         self._pool = ThreadPoolExecutor(max_workers=max(self.threads, 1),
-                                        thread_name_prefix="sglang_ext-coop")
+                                        thread_name_prefix="sglang_ext-coop",
+                                        initializer=_one_intra_op_thread)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
     def submit(self, q: Tensor, host_k: Tensor, host_v: Tensor, miss_blocks: Tensor,
                plan: CooperativePlan, page_size: int, scaling: float) -> Future:
-        batch, num_q_heads, _ = q.shape
+        batch, num_q_heads, head_dim = q.shape
         num_kv_heads = host_k.shape[0]
         group = num_q_heads // num_kv_heads
-        out = torch.zeros(batch, num_q_heads, host_v.shape[-1], dtype=torch.float32)
-        lse = torch.full((batch, num_q_heads), float("-inf"), dtype=torch.float32)
+        out = torch.zeros(batch, num_kv_heads, group, host_v.shape[-1], dtype=torch.float32)
+        lse = torch.full((batch, num_kv_heads, group), float("-inf"), dtype=torch.float32)
+        q_items = q.view(batch * num_kv_heads, group, head_dim)
+        blocks = miss_blocks.reshape(batch * num_kv_heads, -1)
+        out_items, lse_items = out.view(batch * num_kv_heads, group, -1), lse.view(-1, group)
 
         def run(items: list[int]) -> None:
-            for i in items:
-                b, h = divmod(i, num_kv_heads)
-                heads = slice(h * group, (h + 1) * group)
-                # One kv head: its query group over its own host K/V rows (views, no copy).
-                o, s = attend_blocks(q[b:b + 1, heads], host_k[h:h + 1], host_v[h:h + 1],
-                                     miss_blocks[b:b + 1, h:h + 1], page_size, scaling)
-                out[b, heads] = o[0]
-                lse[b, heads] = s[0]
+            idx = torch.tensor(items, dtype=torch.long)
+            o, s = attend_items(q_items[idx], host_k, host_v, idx % num_kv_heads, blocks[idx],
+                                page_size, scaling)
+            out_items[idx] = o
+            lse_items[idx] = s
 
-        if not any(plan.cpu_items):
-            done: Future = Future()
-            done.set_result((out, lse))
-            return done
+        result = (out.view(batch, num_q_heads, -1), lse.view(batch, num_q_heads))
         # One task per CPU thread's item list; the future completes when all have.
         return _Fanout(self._pool, [lambda items=items: run(items) for items in plan.cpu_items
-                                    if items], (out, lse))
+                                    if items], result)
+
+
+def _one_intra_op_thread() -> None:
+    """Each worker thread runs its ops on itself: the workers are the CPU's parallelism. Under
+    OpenMP the intra-op thread count is per native thread, so without this every worker would
+    start a full team of its own and oversubscribe the cores (the main thread's count is left
+    as it is)."""
+    torch.set_num_threads(1)
 
 
 class _Fanout(Future):
-    """A future that completes when every per-thread task is done (no extra thread waiting)."""
+    """A future that completes when every per-thread task is done (no extra thread waiting);
+    ``cpu_seconds``: wall time from submission to the last task's end (queueing included)."""
 
     def __init__(self, pool: ThreadPoolExecutor, tasks: list, result: tuple[Tensor, Tensor]):
         super().__init__()
+        self.cpu_seconds = 0.0
+        self._t0 = time.perf_counter()
         self._pending = len(tasks)
         self._value = result
         self._errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        if not tasks:
+            self.set_result(result)
         for task in tasks:
             pool.submit(task).add_done_callback(self._one_done)
 
     def _one_done(self, f: Future) -> None:
-        if f.exception() is not None:
-            self._errors.append(f.exception())
-        self._pending -= 1
-        if self._pending == 0:
+        with self._lock:  # callbacks run on the worker threads
+            if f.exception() is not None:
+                self._errors.append(f.exception())
+            self._pending -= 1
+            last = self._pending == 0
+        if last:
+            self.cpu_seconds = time.perf_counter() - self._t0
             if self._errors:
                 self.set_exception(self._errors[0])
             else:
                 self.set_result(self._value)
+
+
+def calibrate_cpu_cost(workers: HostAttentionWorkers, host_k: Tensor, host_v: Tensor,
+                       group: int, page_size: int, scaling: float, items_per_thread: int = 4,
+                       blocks_per_item: tuple[int, int] = (4, 64), repeats: int = 5,
+                       ) -> tuple[float, float]:
+    """``(cpu_fixed_s, cpu_s_per_token)`` of the workers on this machine, measured the way a
+    step uses them: every thread at once, each attending ``items_per_thread`` items of random
+    host blocks; two item sizes give the fixed cost and the slope (medians, after a warm-up)."""
+    num_kv_heads, tokens, head_dim = host_k.shape
+    num_blocks = tokens // page_size
+    threads = max(workers.threads, 1)
+    batch = -(-threads * items_per_thread // num_kv_heads)  # item i: request i // Hkv, head i % Hkv
+    items = batch * num_kv_heads
+    q = torch.randn(batch, num_kv_heads * group, head_dim).to(host_k.dtype)
+    gen = torch.Generator().manual_seed(0)
+    plan = CooperativePlan(gpu_order=[], fetched=[], est_gpu_s=0.0, est_cpu_s=0.0,
+                           cpu_items=[list(range(t, items, threads)) for t in range(threads)])
+    seconds = []
+    for m in blocks_per_item:
+        blocks = torch.randint(0, num_blocks, (batch, num_kv_heads, m), generator=gen)
+        times = []
+        for _ in range(repeats + 1):  # the first is the warm-up
+            fut = workers.submit(q, host_k, host_v, blocks, plan, page_size, scaling)
+            fut.result()
+            times.append(fut.cpu_seconds)
+        seconds.append(sorted(times[1:])[len(times[1:]) // 2])
+    items_per_thread = -(-items // threads)
+    tok_small, tok_large = (m * page_size * items_per_thread for m in blocks_per_item)
+    per_token = max((seconds[1] - seconds[0]) / (tok_large - tok_small), 0.0)
+    fixed = max(seconds[0] - per_token * tok_small, 0.0)
+    return fixed, per_token
 
 
 def split_selection(selected: Tensor, resident: Tensor) -> tuple[Tensor, Tensor]:
@@ -264,6 +348,7 @@ def cooperative_attention(q: Tensor, dev_k: Tensor, dev_v: Tensor, dev_pages: Te
     pages = torch.where(gpu_blocks >= 0, pages, torch.full_like(pages, -1))
     gpu_out, gpu_lse = attend_blocks(q, dev_k, dev_v, pages, page_size, scaling)
     cpu_out, cpu_lse = future.result()
+    scheduler.observe(plan, future.cpu_seconds)
     out, lse = merge_attention_states(gpu_out, gpu_lse, cpu_out.to(gpu_out.device),
                                       cpu_lse.to(gpu_lse.device))
     return out, lse, plan

@@ -34,6 +34,15 @@ class TierMetrics:
                                 multiprocess_mode="mostrecent")
         self.requests = Gauge(p + "requests", "Requests holding working-area pages",
                               multiprocess_mode="mostrecent")
+        # --sparse-tier-timing: the GPU clock's account of the transfers (cumulative)
+        self.transfer_seconds = Counter(p + "transfer_seconds",
+                                        "GPU time of the tier's transfers (residency update + gather)")
+        self.exposed_seconds = Counter(p + "exposed_transfer_seconds",
+                                       "Part of the transfer time the decode steps waited for")
+        self.hidden_fraction = Gauge(p + "hidden_transfer_fraction",
+                                     "1 - exposed / transfer time (cumulative)",
+                                     multiprocess_mode="mostrecent")
+        self._last_times = (0.0, 0.0)
         self.waiting = Gauge(p + "requests_waiting_for_space",
                              "Queued requests whose prompt does not fit in the free KV slots "
                              "(GPU + host tier, radix-evictable included)",
@@ -47,6 +56,13 @@ class TierMetrics:
         self.transferred.inc(max(moved, 0))
         self.transferred_bytes.inc(max(moved, 0) * self.page_bytes)
         self.hit_rate.set(occupancy["hit_rate"])
+        if occupancy.get("transfer_s") is not None:
+            transfer, exposed = occupancy["transfer_s"], occupancy["exposed_transfer_s"]
+            self.transfer_seconds.inc(max(transfer - self._last_times[0], 0.0))
+            self.exposed_seconds.inc(max(exposed - self._last_times[1], 0.0))
+            self._last_times = (transfer, exposed)
+            if occupancy["hidden_fraction"] is not None:
+                self.hidden_fraction.set(occupancy["hidden_fraction"])
         self.update_occupancy(occupancy["work_pages_free"], occupancy["work_pages"],
                               occupancy["requests_tiered"])
 

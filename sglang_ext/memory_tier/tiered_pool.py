@@ -172,10 +172,12 @@ class TieredKVPool(MHATokenToKVPool):
     when ``--sparse-tier`` is on; the allocator beside it has ``G + H`` logical slots."""
 
     def __init__(self, *args: Any, layout: TierLayout, mode: str,
-                 gather_programs: Optional[int] = None, **kwargs: Any) -> None:
+                 gather_programs: Optional[int] = None, timing: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(layout.device_tokens, *args, **kwargs)
         self.layout = layout
         self.mode = mode
+        self.timing = timing
         self.gather_programs = gather_programs
         ps = layout.page_size
         self.logical_size = layout.logical_tokens
@@ -217,6 +219,7 @@ class TieredKVPool(MHATokenToKVPool):
             max_blocks=self.max_blocks, num_slots=self.layout.num_slots, page_size=ps,
             max_batch=rows, host=self.host, device=dev, mode=self.mode,
             gather_programs=self.gather_programs, host_page_offset=self.layout.gpu_pages,
+            timing=self.timing,
         )
         self.ring_pages_t = torch.zeros((rows, self.layout.ring_pages), **i32)
         self.ring_block_t = torch.full((rows, self.layout.ring_pages), -1, **i32)

@@ -27,6 +27,11 @@ Everything a step launches has static shapes and no host sync, so it is captured
 decode CUDA graph with the rest of the step (the side stream forks and joins inside it).
 Counters (wanted blocks, missed = transferred blocks) accumulate on the device; read them with
 :meth:`read_stats` outside the step.
+
+With ``timing`` on, a stream clock (:mod:`kernels.stream_clock`) measures the transfer work
+(residency update + gather, wherever it runs) and the part of it the step waits for: under
+``async`` the compute stream's wait at the fence, under ``sync`` (or without a side stream) all
+of it. ``hidden_fraction = 1 - exposed / transfer``.
 """
 
 from __future__ import annotations
@@ -37,10 +42,13 @@ import torch
 from torch import Tensor
 
 from sglang_ext.kernels.host_gather import DEFAULT_MAX_PROGRAMS
+from sglang_ext.kernels.stream_clock import StreamClock
 from sglang_ext.kernels.working_set import update_working_set
 from sglang_ext.memory_tier.host_store import HostKVStore
 
 MODES = ("sync", "async")
+# StreamClock slots: marks, then nanosecond accumulators.
+_FETCH_START, _FENCE, _TRANSFER_NS, _EXPOSED_NS = range(4)
 
 
 class WorkingSetTier:
@@ -59,6 +67,7 @@ class WorkingSetTier:
         mode: str = "async",
         gather_programs: Optional[int] = None,
         host_page_offset: int = 0,
+        timing: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
@@ -97,6 +106,7 @@ class WorkingSetTier:
         self.ring_blocks: Optional[Tensor] = None
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._forked = False
+        self.clock = StreamClock(4, self.device) if timing else None
 
     # ------------------------------------------------------------ host-side bookkeeping
     # (called by the pool manager between steps, in stream order)
@@ -156,7 +166,8 @@ class WorkingSetTier:
 
         if self.mode == "sync":
             def fetch_now(blocks: Tensor) -> None:
-                self._fetch(layer, blocks, req_pool_indices, req_to_token, k_buffer, v_buffer)
+                self._timed_fetch(layer, blocks, req_pool_indices, req_to_token, k_buffer,
+                                  v_buffer, exposed=True)
             return fetch_now, None
 
         wanted = self._wanted[layer, :batch]
@@ -181,17 +192,38 @@ class WorkingSetTier:
             self._side.wait_stream(torch.cuda.current_stream(self.device))
             self._forked = True
             with torch.cuda.stream(self._side):
-                self._fetch(layer, wanted, req_pool_indices, req_to_token, k_buffer, v_buffer)
+                self._timed_fetch(layer, wanted, req_pool_indices, req_to_token, k_buffer,
+                                  v_buffer, exposed=False)
                 self.attend_rows[:, layer].index_copy_(0, req_pool_indices, wanted)
-        else:
-            self._fetch(layer, wanted, req_pool_indices, req_to_token, k_buffer, v_buffer)
+        else:  # no side stream (CPU): the fetch runs in line, nothing hides it
+            self._timed_fetch(layer, wanted, req_pool_indices, req_to_token, k_buffer, v_buffer,
+                              exposed=True)
             self.attend_rows[:, layer].index_copy_(0, req_pool_indices, wanted)
 
     def finish_step(self) -> None:
-        """The fence: the compute stream waits for every prefetch of this step."""
+        """The fence: the compute stream waits for every prefetch of this step (with timing, the
+        wait is what the step could not hide)."""
         if self._forked:
+            if self.clock is not None:
+                self.clock.mark(_FENCE)
             torch.cuda.current_stream(self.device).wait_stream(self._side)
+            if self.clock is not None:
+                self.clock.add_since(_FENCE, _EXPOSED_NS)
             self._forked = False
+
+    def _timed_fetch(self, layer: int, blocks: Tensor, req_pool_indices: Tensor,
+                     req_to_token: Tensor, k_buffer: Tensor, v_buffer: Tensor,
+                     exposed: bool) -> None:
+        """:meth:`_fetch` on the current stream, timed when ``timing`` is on; ``exposed``: it
+        runs where the step waits for it (not on the side stream)."""
+        if self.clock is None:
+            self._fetch(layer, blocks, req_pool_indices, req_to_token, k_buffer, v_buffer)
+            return
+        self.clock.mark(_FETCH_START)
+        self._fetch(layer, blocks, req_pool_indices, req_to_token, k_buffer, v_buffer)
+        self.clock.add_since(_FETCH_START, _TRANSFER_NS)
+        if exposed:
+            self.clock.add_since(_FETCH_START, _EXPOSED_NS)
 
     def _fetch(self, layer: int, blocks: Tensor, req_pool_indices: Tensor, req_to_token: Tensor,
                k_buffer: Tensor, v_buffer: Tensor) -> None:
@@ -215,8 +247,14 @@ class WorkingSetTier:
 
     def read_stats(self) -> dict[str, float]:
         wanted, missed = (int(x) for x in self.stats.tolist())
-        return {
+        stats = {
             "wanted_blocks": wanted,
             "transferred_blocks": missed,
             "hit_rate": 1.0 - missed / wanted if wanted else 1.0,
         }
+        if self.clock is not None:
+            ticks = self.clock.read()
+            transfer, exposed = ticks[_TRANSFER_NS], min(ticks[_EXPOSED_NS], ticks[_TRANSFER_NS])
+            stats.update(transfer_s=transfer / 1e9, exposed_transfer_s=exposed / 1e9,
+                         hidden_fraction=1.0 - exposed / transfer if transfer else None)
+        return stats
