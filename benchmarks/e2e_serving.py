@@ -59,6 +59,14 @@ CONFIGS: dict[str, list[str]] = {
 # the tier with FlashInfer's prefill (SGLang's triton extend takes ~40 s per 128k prompt)
 CONFIGS["sglang_ext_tier_fi"] = CONFIGS["sglang_ext_tier"] + ["--sparse-dense-backend", "flashinfer"]
 
+# The tier with NOSA's locality constraint at the same budget: half of the selected blocks
+# query-agnostic (k_e = 61 of the 123 blocks of 2048 - 16 - 64 tokens, key_norm score) and the
+# block filter sized for the query-aware half (2 x 62 blocks), so the working set is E_t (which
+# persists) plus the query-aware candidates.
+CONFIGS["sglang_ext_tier_locality"] = CONFIGS["sglang_ext_tier"] + [
+    "--sparse-locality-blocks", "61", "--sparse-eviction-score", "key_norm",
+    "--sparse-candidate-blocks", "124"]
+
 
 def launch(model: str, tokenizer: str, args: list[str], port: int, context_len: int,
            log_path: str, extra: list[str]) -> subprocess.Popen:
@@ -141,15 +149,44 @@ def capacity_vs_limit(rows: list[dict[str, Any]], baseline: str = "flashinfer") 
                  capacity_vs_limit=round(ratio / limit, 3))
 
 
+def tier_traffic(flags: list[str], tier_stats: dict[str, Any] | None) -> dict[str, Any]:
+    """A tier row's host->GPU traffic per decode step (from the server's last cumulative tier
+    stats line) and the settings it depends on: budget and locality constraint on/off."""
+    if not tier_stats or not tier_stats.get("decode_steps"):
+        return {}
+    value = lambda flag, default: flags[flags.index(flag) + 1] if flag in flags else default  # noqa: E731
+    return {"budget": int(value("--sparse-budget", 2048)),
+            "locality": "on" if int(value("--sparse-locality-blocks", 0)) > 0 else "off",
+            "bytes_per_step": tier_stats["transferred_bytes"] / tier_stats["decode_steps"]}
+
+
+def locality_vs_two_level(rows: list[dict[str, Any]]) -> None:
+    """Each locality row's bytes per step over the plain tier row's at the same context and
+    budget (``bytes_vs_two_level``; the issue's bar is <= 0.5)."""
+    for r in rows:
+        if r.get("locality") != "on":
+            continue
+        base = next((o for o in rows if o.get("locality") == "off"
+                     and (o["context"], o["budget"]) == (r["context"], r["budget"])
+                     and o.get("bytes_per_step")), None)
+        if base is not None:
+            r["bytes_vs_two_level"] = round(r["bytes_per_step"] / base["bytes_per_step"], 3)
+
+
 def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
-    """Output throughput (whole run, prefill included) and median inter-token latency (the
-    decode step) per backend and input length."""
+    """Output throughput (whole run, prefill included), median inter-token latency (the
+    decode step) and, for tier runs, host->GPU bytes per decode step, per backend and input
+    length."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    panels = [("output_tok_s", "output tokens/s (whole run)"),
+              ("median_itl_ms", "median ITL = decode step (ms)")]
+    if any(r.get("bytes_per_step") is not None for r in rows):  # tier runs
+        panels.append(("bytes_per_step", "host->GPU bytes per decode step"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
 
     def series(r: dict[str, Any]) -> str:  # one bar series per backend, model and TP size
         tp = r.get("tp", 1)
@@ -158,8 +195,7 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     backends = list(dict.fromkeys(series(r) for r in rows))
     contexts = sorted({r["input_len"] for r in rows})
     width = 0.8 / len(backends)
-    for ax, key, label in ((axes[0], "output_tok_s", "output tokens/s (whole run)"),
-                           (axes[1], "median_itl_ms", "median ITL = decode step (ms)")):
+    for ax, (key, label) in zip(axes, panels):
         for i, backend in enumerate(backends):
             ys = [next((r.get(key) or 0 for r in rows
                         if series(r) == backend and r["input_len"] == c), 0) for c in contexts]
@@ -407,7 +443,8 @@ def main() -> int:
             "median_itl_ms": result.get("median_itl_ms"),
             "median_ttft_ms": result.get("median_ttft_ms"),
             "max_concurrent_requests": result.get("max_concurrent_requests"),
-            **stats, **greedy,
+            **stats, **greedy, "context": args.input_len,
+            **tier_traffic(flags, stats.get("tier_stats")),
         })
         print(json.dumps(rows[-1]), flush=True)
     capacity_vs_limit(rows)
@@ -422,6 +459,7 @@ def main() -> int:
         meta["collected"] = "rows built from the run's bench/server files (--collect)"
     results_path = os.path.join(args.out, f"{args.results_name}.json")
     all_rows = merge_rows(results_path, rows) if args.append else rows
+    locality_vs_two_level(all_rows)
     write_results(results_path, all_rows, meta)
     plot(all_rows, os.path.join(args.out, f"{args.results_name}.png"),
          f"{meta['gpu']}, dummy weights, bench_serving random-ids")

@@ -10,6 +10,9 @@
 * ``working_set``: the tier's residency update (set difference, slot reuse, transfer list);
 * ``host_gather`` / ``host_scatter``: zero-copy host->GPU block gather and GPU->host
   write-through for the CPU tier's pinned, head-major KV store;
+* ``locality``: NOSA's locality constraint in the batched decode (page eviction scores, the
+  eviction rule on a ranked kept set per request row, γ(t) bitmaps), oracle
+  ``selection.locality.select_token_mask_locality``;
 * ``guard_probe``: the accuracy guard's recall probe (dense LSE of one kv head per layer, on
   probe steps only, CUDA-graph safe);
 * ``testing``: random paged batches for the tests and the benchmark's ``--check``.

@@ -20,6 +20,12 @@
    indices);
 3. ``sparse_attention`` over the slots (split-KV + LSE merge).
 
+With NOSA's locality constraint (``params.locality_blocks = k_e > 0``, two_level only; see
+:mod:`locality`) the block top-k keeps ``candidate_blocks + k_e`` blocks, of which the
+request's query-agnostic set ``E_t`` (forced first by a ``+inf`` block score after the rule's
+update), and the token top-k takes ``E_t``'s middle tokens first (``+inf`` token scores):
+launches +2 (the rule before the block top-k, γ(t) after the assembly).
+
 Launches per step: two_level 4 for the selection (block scores, block top-k, token scores,
 token top-k + assembly) + 2 for the attention; quest 2 + 2; ds 2 + 2.
 
@@ -41,6 +47,13 @@ from torch import Tensor
 
 from sglang_ext.kernels.block_scores import quest_block_scores_batched
 from sglang_ext.kernels.label_cache import label_queries
+from sglang_ext.kernels.locality import (
+    KERNEL_SCORE_KINDS,
+    LocalityLayerState,
+    bitmap_words,
+    locality_gamma_batched,
+    locality_update_batched,
+)
 from sglang_ext.kernels.sparse_attention import (
     default_num_splits,
     sparse_attention_batched,
@@ -272,7 +285,8 @@ def _selection_plan(params: SelectionParams, max_blocks: int) -> tuple[int, int,
         num_kept = n_sel // bs
         return (_MODE_BLOCKS, num_kept, 0) if num_kept > 0 else (_MODE_NONE, 0, 0)
     if params.method == "two_level":
-        return _MODE_CAND_TOKENS, params.candidate_blocks, n_sel
+        # The locality constraint's E_t rides along in the block top-k, ranked first.
+        return _MODE_CAND_TOKENS, params.candidate_blocks + params.locality_blocks, n_sel
     if params.method == "ds":
         return _MODE_ALL_TOKENS, 0, n_sel
     raise ValueError(f"unknown method {params.method!r}")
@@ -338,6 +352,14 @@ class SparseDecodeWorkspace:
             self.top_tokens = torch.empty(*shape, self.k_tokens, dtype=i32, **kw)
         self.slots = torch.empty(*shape, params.budget, dtype=i32, **kw)
         self.positions = torch.empty(*shape, params.budget, dtype=i32, **kw)
+        self.attended_bitmap = self.gamma = None
+        if params.locality_blocks:
+            if params.eviction_score not in KERNEL_SCORE_KINDS:
+                raise ValueError(f"the batched decode's locality constraint takes eviction "
+                                 f"scores {KERNEL_SCORE_KINDS}, not {params.eviction_score!r}")
+            # γ(t): this step's attended blocks per (request, kv head), and γ per request.
+            self.attended_bitmap = torch.empty(*shape, bitmap_words(max_blocks), dtype=i32, **kw)
+            self.gamma = torch.empty(max_batch, dtype=f32, **kw)
         # The split count only falls as the batch grows: size for batch 1.
         max_splits = split_layout(params.budget, self._splits_for(1))[1]
         self.partial_o = torch.empty(
@@ -383,6 +405,7 @@ def select_slots_batched(
     attend_blocks: Tensor | None = None,
     labels: Tensor | None = None,
     row_ks: tuple[Tensor | None, Tensor | None] | None = None,
+    locality: LocalityLayerState | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Step 1-2 of the pipeline: the ``budget`` KV slots (int32 ``[B, Hkv, budget]``, ``-1``
     padded) each (request, kv head) attends; with ``return_positions`` also their positions.
@@ -402,7 +425,11 @@ def select_slots_batched(
 
     ``row_ks`` = (per-request k of the block top-k, of the token top-k), int32 ``[B]`` each or
     None, every value at most the workspace's (``params``') k: a request's smaller budget
-    inside a workspace sized for the largest (the accuracy guard, :mod:`selection.guard`)."""
+    inside a workspace sized for the largest (the accuracy guard, :mod:`selection.guard`).
+
+    ``locality`` (needed iff ``params.locality_blocks > 0``): the layer's state of NOSA's
+    locality constraint (:mod:`locality`), updated in place; each request's γ(t) of this step
+    is left in ``workspace.gamma[:B]`` (``-1``: not measured)."""
     batch, num_q_heads, _ = q.shape
     num_kv_heads = k_buffer.shape[1]
     if workspace is None:
@@ -413,6 +440,10 @@ def select_slots_batched(
     ws = workspace
     if batch > ws.max_batch or params != ws.params:
         raise ValueError("batch/params do not fit the workspace")
+    if (locality is not None) != bool(params.locality_blocks):
+        raise ValueError("the locality state goes with params.locality_blocks > 0 (and only)")
+    if locality is not None and row_ks is not None:
+        raise ValueError("per-request top-k sizes do not combine with the locality constraint")
     bs = params.block_size
     if channels is not None:
         channels = channels.to(device=q.device)
@@ -449,6 +480,9 @@ def select_slots_batched(
             params.sink, params.window, ws.max_blocks, out=ws.block_scores[:batch],
             precision=ws.block_score_precision,
         )
+        if locality is not None:
+            locality_update_batched(locality, scores, req_to_token, req_pool_indices, seq_lens,
+                                    params)
         top = cand = run_topk(scores, ws.k_blocks, ws.top_blocks[:batch], not ws.k_tokens,
                               k_block_rows)
         if on_blocks is not None:
@@ -466,6 +500,7 @@ def select_slots_batched(
             cand if ws.mode == _MODE_CAND_TOKENS else None, bs, params.sink, params.window,
             channels=tok_channels, num_blocks=ws.max_blocks, scores_out=ws.token_scores[:batch],
             return_positions=False, page_map=page_map,
+            forced_blocks=ws.block_scores[:batch] if locality is not None else None,
         )
         top = run_topk(tok_scores, ws.k_tokens, ws.top_tokens[:batch], True, k_token_rows,
                        n_token_rows)
@@ -485,7 +520,8 @@ def select_slots_batched(
         consts = dict(
             BUDGET=params.budget, SINK=params.sink, WINDOW=params.window, BLOCK_SIZE=bs,
             NUM_TOP=ws.k_blocks if ws.mode == _MODE_BLOCKS else ws.k_tokens, MODE=ws.mode,
-            WRITE_POS=return_positions, HAS_PAGE_MAP=page_map is not None,
+            WRITE_POS=return_positions or locality is not None,
+            HAS_PAGE_MAP=page_map is not None,
         )
         block = min(1024, triton.next_power_of_2(params.budget))
         if final is None:
@@ -500,6 +536,9 @@ def select_slots_batched(
                 ASM_BLOCK=block, EARLY_EXIT=True, **consts,
                 **topk_launch_config(fscores.shape[-1], k, ws.topk_radix_bits),
             )
+        if locality is not None:
+            locality_gamma_batched(locality, positions, slots, req_pool_indices, seq_lens,
+                                   params, ws.attended_bitmap, ws.gamma)
     return (slots, positions) if return_positions else slots
 
 
@@ -522,6 +561,7 @@ def sparse_decode_batched(
     attend_blocks: Tensor | None = None,
     labels: Tensor | None = None,
     row_ks: tuple[Tensor | None, Tensor | None] | None = None,
+    locality: LocalityLayerState | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """One sparse decode step for a batch: ``out [B, Hq, Dv]`` in q's dtype (and the float32
     LSE ``[B, Hq]`` with ``return_lse``).
@@ -535,7 +575,7 @@ def sparse_decode_batched(
     ``page_map``/``on_blocks``/``attend_blocks``: the CPU tier's hooks, see
     :func:`select_slots_batched` (the attention then reads the per-head device slots).
     ``labels``: the layer's label cache (:mod:`label_cache`), ``row_ks``: per-request top-k
-    sizes; see :func:`select_slots_batched`.
+    sizes, ``locality``: the locality constraint's state; see :func:`select_slots_batched`.
     """
     batch, num_q_heads, _ = q.shape
     if workspace is None:
@@ -547,7 +587,7 @@ def sparse_decode_batched(
     slots = select_slots_batched(
         q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, kmax, params,
         channels=channels, workspace=workspace, page_map=page_map, on_blocks=on_blocks,
-        attend_blocks=attend_blocks, labels=labels, row_ks=row_ks,
+        attend_blocks=attend_blocks, labels=labels, row_ks=row_ks, locality=locality,
     )
     out, lse = sparse_attention_batched(
         q, k_buffer, v_buffer, slots, sm_scale,

@@ -37,6 +37,7 @@ def _label_token_scores_kernel(
     SCORES,
     POSITIONS,
     PAGE_MAP,
+    FORCED,
     num_cand,
     sink,
     window,
@@ -54,6 +55,8 @@ def _label_token_scores_kernel(
     stride_pg,
     stride_mr,
     stride_mg,
+    stride_fb,
+    stride_fg,
     BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     NUM_CH: tl.constexpr,
@@ -63,6 +66,7 @@ def _label_token_scores_kernel(
     HAS_CHANNELS: tl.constexpr,
     WRITE_POS: tl.constexpr,
     HAS_PAGE_MAP: tl.constexpr,
+    HAS_FORCED: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -114,6 +118,11 @@ def _label_token_scores_kernel(
         ).to(tl.float32)
         score = tl.maximum(score, tl.sum(k * qh[None, :], axis=1))
     score = tl.where(valid, score, float("-inf"))
+    if HAS_FORCED:
+        # The locality constraint's kept blocks (block score +inf): their middle tokens first.
+        forced = tl.load(FORCED + b.to(tl.int64) * stride_fb + g * stride_fg + blk, mask=valid,
+                         other=0.0)
+        score = tl.where(valid & (forced == float("inf")), float("inf"), score)
     out_mask = in_range
     tl.store(SCORES + b.to(tl.int64) * stride_ob + g * stride_og + t, score, mask=out_mask)
     if WRITE_POS:
@@ -140,6 +149,7 @@ def label_token_scores_batched(
     positions_out: Tensor | None = None,
     return_positions: bool = True,
     page_map: Tensor | None = None,
+    forced_blocks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Token scores of the candidate blocks of every (request, kv head).
 
@@ -149,7 +159,9 @@ def label_token_scores_batched(
     positions [B, Hkv, C*bs] int32 or None)``. With ``page_map`` (int32 ``[rows, Hkv,
     max_blocks]``, the CPU tier's per-head device page of each block, ``-1`` = not resident)
     keys are read through it instead of ``req_to_token``; blocks that are not resident score
-    ``-inf``.
+    ``-inf``. ``forced_blocks`` (float32 ``[B, Hkv, max_blocks]``, block scores): the middle
+    tokens of a candidate block whose entry is ``+inf`` score ``+inf`` (the locality
+    constraint's kept blocks, :mod:`locality`).
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -201,6 +213,7 @@ def label_token_scores_batched(
         scores_out,
         positions_out if positions_out is not None else dummy,
         page_map if page_map is not None else dummy,
+        forced_blocks if forced_blocks is not None else dummy,
         num_cand,
         sink,
         window,
@@ -218,6 +231,8 @@ def label_token_scores_batched(
         positions_out.stride(1) if positions_out is not None else 0,
         page_map.stride(0) if page_map is not None else 0,
         page_map.stride(1) if page_map is not None else 0,
+        forced_blocks.stride(0) if forced_blocks is not None else 0,
+        forced_blocks.stride(1) if forced_blocks is not None else 0,
         BLOCK_SIZE=block_size,
         GROUP=group,
         NUM_CH=num_ch,
@@ -227,6 +242,7 @@ def label_token_scores_batched(
         HAS_CHANNELS=channels is not None,
         WRITE_POS=positions_out is not None,
         HAS_PAGE_MAP=page_map is not None,
+        HAS_FORCED=forced_blocks is not None,
         num_warps=4,
     )
     return scores_out, positions_out

@@ -163,6 +163,22 @@ def _check_eviction_head(server_args: Any, cfg: sparse_config.SparseConfig) -> N
                       head_dim=mc.head_dim)
 
 
+def _check_kernel_locality(cfg: sparse_config.SparseConfig) -> None:
+    """What the batched decode's locality constraint (kernels/locality.py) cannot do."""
+    from sglang_ext.kernels.locality import KERNEL_SCORE_KINDS
+
+    if cfg.eviction_score not in KERNEL_SCORE_KINDS:
+        # The attention score accumulates each step's attention probabilities per block.
+        raise SystemExit(f"sglang_ext: --sparse-eviction-score {cfg.eviction_score} runs in the "
+                         f"reference decode for now (use key_norm or learned, or add "
+                         f"--sparse-impl reference)")
+    if cfg.window < cfg.block_size - 1:
+        # A block's fixed score is taken when it enters the middle: it must be complete then.
+        raise SystemExit(f"sglang_ext: --sparse-locality-blocks with --sparse-impl triton needs "
+                         f"--sparse-window >= --sparse-block-size - 1 (got {cfg.window} and "
+                         f"{cfg.block_size})")
+
+
 def _force_compatible_settings(server_args: Any, cfg: sparse_config.SparseConfig) -> None:
     """Settings that would route decode tokens around our backend, and the paging and CUDA
     graph settings each decode implementation needs."""
@@ -179,13 +195,13 @@ def _force_compatible_settings(server_args: Any, cfg: sparse_config.SparseConfig
     impl = resolve_impl(cfg, server_args.device)
     if impl == "triton" and server_args.device == "cpu":
         raise SystemExit("sglang_ext: --sparse-impl triton needs a CUDA device (use reference on CPU)")
-    for field, flag in (("locality_blocks", "--sparse-locality-blocks"),
-                        ("scoring", "--sparse-scoring output_aware"),
-                        ("head_policy", "--sparse-head-policy"),
-                        ("eviction_head", "--sparse-eviction-head")):
-        if impl == "triton" and getattr(cfg, field) not in (0, "score", None):
+    for field, flag in (("scoring", "--sparse-scoring output_aware"),
+                        ("head_policy", "--sparse-head-policy")):
+        if impl == "triton" and getattr(cfg, field) not in ("score", None):
             raise SystemExit(f"sglang_ext: {flag} runs in the reference decode for now "
                              f"(add --sparse-impl reference)")
+    if impl == "triton" and cfg.locality_blocks > 0:
+        _check_kernel_locality(cfg)
     if impl == "reference" and not server_args.disable_cuda_graph and server_args.device != "cpu":
         # The reference decode loops over requests on the host: not capturable.
         changes["disable_cuda_graph"] = True

@@ -127,10 +127,12 @@ _FLAGS: tuple[tuple[str, str, str, str], ...] = (
     ("locality_blocks", "--sparse-locality-blocks", "BLOCKS",
      "two_level with NOSA's locality constraint: this many blocks per kv head are kept by a "
      "query-agnostic eviction score, and a block once dropped never returns, so at least "
-     "that share of the attended blocks persists between steps (0 = off; reference decode)."),
+     "that share of the attended blocks persists between steps (0 = off; both decode "
+     "implementations, triton with the key_norm and learned scores)."),
     ("eviction_score", "--sparse-eviction-score", "{" + ",".join(EVICTION_SCORES) + "}",
-     "Score of the query-agnostic part: attention (decayed attention mass), key_norm "
-     "(pooled key norms) or learned (NOSA's trained eviction head, --sparse-eviction-head)."),
+     "Score of the query-agnostic part: attention (decayed attention mass; reference decode "
+     "only), key_norm (pooled key norms) or learned (NOSA's trained eviction head, "
+     "--sparse-eviction-head)."),
     ("eviction_head", "--sparse-eviction-head", "PATH",
      "Trained eviction heads (python -m sglang_ext.selection.train_eviction), checked against "
      "the model at start-up; needed by --sparse-eviction-score learned and by requests that "

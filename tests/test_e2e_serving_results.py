@@ -1,12 +1,20 @@
 """The serving benchmark's result handling (benchmarks/e2e_serving.py): the greedy comparison
-between servers and merging runs of other context lengths / TP sizes into one results file."""
+between servers, merging runs of other context lengths / TP sizes into one results file, and the
+locality run's host->GPU bytes per decode step."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from benchmarks.e2e_serving import compare_greedy, merge_rows
+from benchmarks.e2e_serving import (
+    CONFIGS,
+    compare_greedy,
+    locality_vs_two_level,
+    merge_rows,
+    server_log_stats,
+    tier_traffic,
+)
 from benchmarks.soak import TIE_MARGIN
 
 
@@ -76,3 +84,22 @@ def test_capacity_against_the_physical_limit_comes_from_the_logs() -> None:
     assert tier["capacity_ratio"] == round(585952 / 1265744, 3)
     assert tier["capacity_limit"] == round((96.56 + 48.0) / 96.56, 3)
     assert tier["capacity_vs_limit"] == round(tier["capacity_ratio"] / tier["capacity_limit"], 3)
+
+
+def test_locality_rows_carry_bytes_per_step_and_their_ratio() -> None:
+    """The tier's cumulative stats line gives bytes per decode step; a locality row is compared
+    with the plain tier row of the same context and budget."""
+    log = ('sglang_ext tier stats: {"wanted_blocks": 10, "transferred_blocks": 4, '
+           '"decode_steps": 16, "transferred_bytes": 4096}\n'
+           'sglang_ext tier stats: {"wanted_blocks": 20, "transferred_blocks": 8, '
+           '"decode_steps": 32, "transferred_bytes": 8192}\n')
+    stats = server_log_stats(log)["tier_stats"]
+    rows = []
+    for name, moved in (("sglang_ext_tier", 8192), ("sglang_ext_tier_locality", 2048)):
+        rows.append({"context": 65536, **tier_traffic(CONFIGS[name],
+                                                       dict(stats, transferred_bytes=moved))})
+    assert [(r["locality"], r["budget"], r["bytes_per_step"]) for r in rows] == \
+        [("off", 2048, 256.0), ("on", 2048, 64.0)]
+    locality_vs_two_level(rows)
+    assert rows[1]["bytes_vs_two_level"] == 0.25 and "bytes_vs_two_level" not in rows[0]
+    assert tier_traffic(CONFIGS["sglang_ext"], None) == {}

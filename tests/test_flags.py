@@ -157,3 +157,49 @@ def test_eviction_head_for_another_model_is_rejected(tmp_path):
     assert last.startswith("sglang_ext: --sparse-eviction-head") and "kv heads" in last, \
         out.stderr[-2000:]
     assert "Traceback" not in out.stderr
+
+
+def _cuda_server_args():
+    """The server arguments _force_compatible_settings reads, for a CUDA launch."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(speculative_algorithm=None, enable_mixed_chunk=False, device="cuda",
+                           disable_cuda_graph=False, page_size=None, max_running_requests=None)
+    args.override = lambda who, **changes: vars(args).update(changes)
+    return args
+
+
+@pytest.mark.parametrize("score", ["key_norm", "learned"])
+def test_locality_runs_in_the_kernel_decode(score, tmp_path):
+    """--sparse-impl triton takes the locality constraint with the key_norm and learned
+    scores (the batched decode, kernels/locality.py): no refusal at start-up."""
+    from sglang_ext.patches.server_args import _force_compatible_settings
+    from sglang_ext.selection.eviction_head import EvictionHeads, save_eviction_heads
+
+    head = None
+    if score == "learned":
+        head = str(tmp_path / "heads.safetensors")
+        save_eviction_heads(EvictionHeads(2, 2, 8), head, model="tiny")
+    cfg = build_config(impl="triton", budget=256, block_size=16, locality_blocks=8,
+                       eviction_score=score, eviction_head=head)
+    args = _cuda_server_args()
+    _force_compatible_settings(args, cfg)
+    assert args.page_size == 16  # the kernel path's settings still apply
+
+
+@pytest.mark.parametrize("values, words", [
+    ({"eviction_score": "attention"}, "--sparse-eviction-score attention"),
+    ({"eviction_score": "key_norm", "window": 6}, "--sparse-window"),
+    ({"eviction_score": "key_norm", "scoring": "output_aware"}, "--sparse-scoring"),
+])
+def test_what_the_kernel_decode_cannot_do_stops_startup_with_one_line(values, words):
+    """The attention eviction score needs each step's attention probabilities (reference
+    decode only); a block must be complete when it enters the middle (window >= block - 1);
+    Fluxion's scoring is still reference-only."""
+    from sglang_ext.patches.server_args import _force_compatible_settings
+
+    cfg = build_config(impl="triton", budget=256, block_size=16, locality_blocks=8, **values)
+    with pytest.raises(SystemExit) as e:
+        _force_compatible_settings(_cuda_server_args(), cfg)
+    message = str(e.value)
+    assert message.startswith("sglang_ext: ") and words in message and "\n" not in message

@@ -25,6 +25,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_ext.config import dense_middle_blocks
 from sglang_ext.kernels.block_summary import allocate_block_summaries, update_block_summaries
+from sglang_ext.kernels.locality import LocalityKernelState, update_eviction_page_scores
 from sglang_ext.kernels.sparse_decode import SparseDecodeWorkspace, _selection_plan, sparse_decode_batched
 from sglang_ext.kernels.testing import case_generator
 from sglang_ext.memory_tier.tiered_pool import TieredKVPool, plan_layout
@@ -96,6 +97,16 @@ class Run:
             batch, sh.kv_heads * sh.group, sh.kv_heads, sh.head_dim, params, max_context // ps,
             sh.device, DTYPE)
         self.ws_tier, self.ws_plain = workspace(), workspace()
+        # The locality constraint (key_norm): each path keeps its own kept sets, both read the
+        # page scores the writes maintain.
+        self.locality = None
+        if params.locality_blocks:
+            state = lambda: LocalityKernelState(  # noqa: E731
+                num_layers=sh.layers, rows=len(self.rows) + 1, num_kv_heads=sh.kv_heads,
+                k_e=params.locality_blocks, max_blocks=max_context // ps, num_slots=logical,
+                page_size=ps, device=dev)
+            self.locality = (state(), state())
+            self.locality[1].page_scores = self.locality[0].page_scores
 
     def _rand(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen).to(device=self.device, dtype=DTYPE)
@@ -105,6 +116,9 @@ class Run:
         self.plain_k[layer][loc.long()] = k
         self.plain_v[layer][loc.long()] = v
         update_block_summaries(*self.summaries[layer], k, loc, self.shape.page_size)
+        if self.locality is not None:
+            update_eviction_page_scores(self.locality[0].page_scores[layer], k, loc,
+                                        self.shape.page_size, "key_norm")
 
     def prefill(self) -> None:
         self.pool.prepare_extend(self.req_to_token, self.rows, self.lens, [0] * len(self.rows))
@@ -138,16 +152,21 @@ class Run:
                 q, pool.k_buffer[layer], pool.v_buffer[layer], r2t, rpi, seq_lens, kmin, kmax,
                 self.params, 0.25, channels=self.channels, workspace=self.ws_tier,
                 page_map=tier.page_map(layer), on_blocks=on_blocks, attend_blocks=attend,
+                locality=self._locality(0, layer),
             ).clone()
             tier.after_layer(layer, rpi, r2t, pool.k_buffer[layer], pool.v_buffer[layer])
             want = sparse_decode_batched(
                 q, self.plain_k[layer], self.plain_v[layer], r2t, rpi, seq_lens, kmin, kmax,
                 self.params, 0.25, channels=self.channels, workspace=self.ws_plain,
+                locality=self._locality(1, layer),
             ).clone()
             outs.append((got, want))
         pool.tier.finish_step()
         self.lens = [n + 1 for n in self.lens]
         return outs
+
+    def _locality(self, path: int, layer: int):
+        return None if self.locality is None else self.locality[path].layer(layer)
 
     def finish(self) -> None:
         for row in self.rows:
@@ -172,10 +191,15 @@ def test_budget_above_the_context_decodes_exactly(mode: str, method: str) -> Non
     run.finish()
 
 
-@pytest.mark.parametrize("method", ["two_level", "quest"])
+@pytest.mark.parametrize("method", ["two_level", "quest", "locality"])
 def test_sync_schedule_with_a_small_budget_equals_the_untiered_decode(method: str) -> None:
+    """(``locality``: two_level with one query-agnostic block per kv head, whose kept set rides
+    in the working set: the block filter's k is candidates + k_e.)"""
     ps, sink, window = SMALL.page_size, SMALL.sink, SMALL.window
-    params = SelectionParams(method, 24, ps, 3 if method == "two_level" else 1, sink, window)
+    local = method == "locality"
+    method = "two_level" if local else method
+    params = SelectionParams(method, 24, ps, 3 if method == "two_level" else 1, sink, window,
+                             locality_blocks=int(local), eviction_score="key_norm")
     run = Run(params, "sync", prompt_lens=[45, 30], steps=10)
     run.prefill()
     for step in range(run.steps):

@@ -2,8 +2,8 @@
 # One self-contained run on the GPU host (see ../shared/gpu/README.md): unpack the SGLang bundle,
 # install this repo, then the named steps. Results land in $OUT (or benchmarks/results).
 # Usage: bash benchmarks/device/run.sh COMMIT STEP...
-#   steps: env gputests operator tier fluxion transfer server e2e soak capacity tp2-greedy
-#   (tp2-greedy: on nvidia-h200-x2)
+#   steps: env gputests operator tier fluxion transfer server e2e soak capacity locality
+#   tp2-greedy (tp2-greedy: on nvidia-h200-x2)
 # Wheels in .whl/ (carried, git-ignored; e.g. prometheus_client for --enable-metrics, which the
 # bundle lacks) are installed first.
 set -uo pipefail
@@ -78,6 +78,20 @@ for step in "$@"; do
         --concurrency "${CAP_PROMPTS:-12}" --results-name capacity_h200 \
         --extra "--mem-fraction-static 0.8 --max-running-requests 16 --cuda-graph-max-bs 16" \
         || status=1 ;;
+    locality)
+      # NOSA's locality constraint on vs off, CPU tier with every page on the host, same budget:
+      # host->GPU bytes per decode step (tier counters) and throughput, 4 x 64k prompts
+      # (~2 x 3 min). LOCALITY_CONTEXTS="131072" in a second call adds the 128k rows (--append).
+      for ctx in ${LOCALITY_CONTEXTS:-65536}; do
+        SGLANG_EXT_TIER_HOST_GB=${LOCALITY_HOST_GB:-80} SGLANG_EXT_TIER_GPU_TOKENS=16 \
+        SGLANG_EXT_TIER_LOG_EVERY=16 \
+        python3 benchmarks/e2e_serving.py --out "$OUT" \
+          --configs sglang_ext_tier sglang_ext_tier_locality --input-len "$ctx" \
+          --output-len 256 --num-prompts 4 --concurrency 4 --append \
+          --results-name locality_h200 \
+          --extra "--mem-fraction-static 0.8 --cuda-graph-max-bs 8 --max-running-requests 8" \
+          || status=1
+      done ;;
     tp2-greedy)
       # TP=2 (nvidia-h200-x2): greedy outputs of ours with every page on the host tier, budget >=
       # context, against triton full attention at --tp 2; flashinfer full attention is the

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -51,8 +52,10 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-TIER_LOG_EVERY = 256  # decode steps between two log lines of the CPU tier's counters
+# decode steps between two log lines of the CPU tier's counters (benchmarks log more often)
+TIER_LOG_EVERY = int(os.environ.get("SGLANG_EXT_TIER_LOG_EVERY", "256"))
 LOCALITY_LOG_EVERY = 512  # (request, layer) selections between two locality log lines
+LOCALITY_READ_EVERY = 64  # decode steps between two reads of the CUDA locality γ counters
 GUARD_REPORT_EVERY = 128  # decode steps between two reads of the CUDA guard's counters
 
 
@@ -161,6 +164,12 @@ class SparseDecodeBackend(AttentionBackend):
         self._tier_steps = 0
         self._locality_steps = 0
         self._locality_metrics = None
+        # NOSA's locality constraint in the batched decode (kernels/locality.py): device state
+        # by request row and KV page, and the γ counters read every LOCALITY_READ_EVERY steps.
+        self.locality: Optional[Any] = None
+        self._locality_heads: Optional[list[Any]] = None
+        self._locality_kernel_steps = 0
+        self._locality_log_totals = [0.0, 0, float("inf")]
         # NOSA's trained eviction heads (--sparse-eviction-head), this rank's kv heads.
         self.eviction_heads = self._load_eviction_heads(model_runner, config)
         # Any request may ask for the locality constraint (custom_params), so always export it.
@@ -169,13 +178,15 @@ class SparseDecodeBackend(AttentionBackend):
 
             self._locality_metrics = LocalityMetrics()
         self._tier_metrics = None
+        self._tier_page_bytes = 0  # K + V bytes of one (layer, kv head) block the tier moves
+        if self.tiered is not None:
+            pool = self.tiered
+            self._tier_page_bytes = pool.layout.page_size * (pool.head_dim + pool.v_head_dim) \
+                * pool.k_buffer[0].element_size()
         if self.tiered is not None and getattr(model_runner.server_args, "enable_metrics", False):
             from sglang_ext.memory_tier.metrics import TierMetrics
 
-            pool = self.tiered
-            self._tier_metrics = pool.metrics = TierMetrics(
-                page_bytes=pool.layout.page_size * (pool.head_dim + pool.v_head_dim)
-                * pool.k_buffer[0].element_size())
+            self._tier_metrics = self.tiered.metrics = TierMetrics(page_bytes=self._tier_page_bytes)
         if self.tiered is not None:
             self.tiered.bind(self.req_to_token_pool.req_to_token)
             self.needs_cpu_seq_lens = True  # host-side lengths start a request's decoding
@@ -190,6 +201,8 @@ class SparseDecodeBackend(AttentionBackend):
             self.labels = self._allocate_label_cache()
             if self.guard is not None:
                 self._allocate_guard_state()
+            if config.locality_blocks > 0:
+                self._allocate_locality_state()
 
     # ------------------------------------------------------------------ set-up
 
@@ -231,6 +244,51 @@ class SparseDecodeBackend(AttentionBackend):
             head_dim=pool.get_key_buffer(pool.start_layer).shape[-1],
             min_len=self.guard.max_budget, max_context=req_to_token.shape[1], device=dev,
         )
+
+    def _allocate_locality_state(self) -> None:
+        """Device state of the locality constraint for the batched decode: per request row the
+        kept sets, the seen watermark and the γ bitmaps; per KV page (logical, like the page
+        summaries) the eviction scores; for ``learned`` each layer's eviction-head tensors."""
+        from sglang_ext.kernels.locality import LocalityKernelState, eviction_head_tensors
+
+        pool = self.token_to_kv_pool
+        req_to_token = self.req_to_token_pool.req_to_token
+        bs = self.config.block_size
+        k0 = pool.get_key_buffer(pool.start_layer)
+        self.locality = LocalityKernelState(
+            num_layers=pool.layer_num, rows=req_to_token.shape[0], num_kv_heads=pool.head_num,
+            k_e=self.config.locality_blocks, max_blocks=-(-req_to_token.shape[1] // bs),
+            num_slots=getattr(pool, "logical_size", k0.shape[0] - bs) + bs, page_size=bs,
+            device=self.device,
+        )
+        if self.config.eviction_score == "learned":
+            self._locality_heads = [
+                eviction_head_tensors(self.eviction_heads, pool.start_layer + i)
+                for i in range(pool.layer_num)
+            ]
+        logger.info("sglang_ext locality: k_e=%d blocks, %s score, %.2f GiB of device state",
+                    self.config.locality_blocks, self.config.eviction_score,
+                    self.locality.nbytes() / 2**30)
+
+    def _locality_report(self) -> None:
+        """Batched decode: now and then read the γ counters (a host sync), export them, and
+        log their running summary."""
+        self._locality_kernel_steps += 1
+        if self._locality_kernel_steps % LOCALITY_READ_EVERY:
+            return
+        total, count, minimum = self.locality.take_gamma_stats()
+        if count == 0:
+            return
+        if self._locality_metrics is not None:
+            self._locality_metrics.observe_many(total, count, minimum)
+        log = self._locality_log_totals
+        log[0] += total
+        log[1] += count
+        log[2] = min(log[2], minimum)
+        if log[1] >= LOCALITY_LOG_EVERY:
+            logger.info("sglang_ext locality: %d selections gamma mean %.3f min %.3f (k_e=%d)",
+                        log[1], log[0] / log[1], log[2], self.config.locality_blocks)
+            self._locality_log_totals = [0.0, 0, float("inf")]
 
     def _rank_q_heads(self) -> int:
         """Query heads this rank computes (all of them without --tp)."""
@@ -321,6 +379,8 @@ class SparseDecodeBackend(AttentionBackend):
                 self.decode_metadata = None
                 if self.guard is not None and not mode.is_idle():
                     self._guard_step_control()
+                if self.locality is not None and not mode.is_idle():
+                    self._locality_report()
                 return
             seq_lens_cpu = forward_batch.seq_lens_cpu
             if seq_lens_cpu is None:
@@ -339,6 +399,9 @@ class SparseDecodeBackend(AttentionBackend):
         else:
             if self.guard is not None:
                 self._guard_reset_rows(forward_batch)
+            if self.locality is not None:
+                # A request being prefilled starts with no kept set (rows are reused).
+                self.locality.reset_rows(forward_batch.req_pool_indices)
             self._dense_backend().init_forward_metadata(forward_batch)
 
     # ---------------------------------------------------------- accuracy guard
@@ -441,7 +504,10 @@ class SparseDecodeBackend(AttentionBackend):
                 if metrics_now:
                     self._tier_metrics.update(occupancy)
                 if log_now:
-                    logger.info("sglang_ext tier stats: %s", json.dumps(occupancy))
+                    # cumulative: bytes per decode step = transferred_bytes / decode_steps
+                    logger.info("sglang_ext tier stats: %s", json.dumps(dict(
+                        occupancy, decode_steps=self._tier_steps,
+                        transferred_bytes=occupancy["transferred_blocks"] * self._tier_page_bytes)))
             if self._tier_verify:
                 pool.verify_mappings(req_to_token, forward_batch.req_pool_indices.tolist(),
                                      forward_batch.seq_lens_cpu.tolist())
@@ -483,7 +549,7 @@ class SparseDecodeBackend(AttentionBackend):
                 q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs
             )
         if self.summaries is not None and self._wrote_kv(k, save_kv_cache):
-            self._update_summaries(layer, k, forward_batch)
+            self._update_summaries(layer, k, v, forward_batch)
         return out
 
     def _has_one_token_extends(self, layer: RadixAttention, forward_batch: ForwardBatch) -> bool:
@@ -573,18 +639,18 @@ class SparseDecodeBackend(AttentionBackend):
             )
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         if self.impl == "triton":
-            return self._forward_decode_kernels(q, k, layer, forward_batch, save_kv_cache)
+            return self._forward_decode_kernels(q, k, v, layer, forward_batch, save_kv_cache)
         return self._forward_decode_reference(q, layer)
 
     def _forward_decode_kernels(
-        self, q: torch.Tensor, k: Optional[torch.Tensor], layer: RadixAttention,
-        forward_batch: ForwardBatch, save_kv_cache: bool,
+        self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+        layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool,
     ) -> torch.Tensor:
         from sglang_ext.kernels.sparse_decode import sparse_decode_batched
 
         layer_index = self._layer_index(layer)
         if self._wrote_kv(k, save_kv_cache):
-            self._update_summaries(layer, k, forward_batch)
+            self._update_summaries(layer, k, v, forward_batch)
         channels = None if self.label_channels is None else self.label_channels[layer.layer_id]
         k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_buffer = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
@@ -619,6 +685,7 @@ class SparseDecodeBackend(AttentionBackend):
             labels=None if self.labels is None else self.labels[layer_index],
             return_lse=guard,
             row_ks=self._guard_row_ks if guard else None,
+            locality=None if self.locality is None else self.locality.layer(layer_index),
             **tier_args,
         )
         if guard:
@@ -667,9 +734,11 @@ class SparseDecodeBackend(AttentionBackend):
         attention with save_kv_cache=False); every other MLA call stores them itself."""
         return self.kv_lora_rank is not None or (save_kv_cache and k is not None)
 
-    def _update_summaries(self, layer: RadixAttention, k: torch.Tensor, forward_batch: ForwardBatch) -> None:
-        """Fold the keys just written (prefill or decode) into their pages' min/max, and store
-        their label channels in the label cache."""
+    def _update_summaries(self, layer: RadixAttention, k: torch.Tensor, v: Optional[torch.Tensor],
+                          forward_batch: ForwardBatch) -> None:
+        """Fold the keys just written (prefill or decode) into their pages' min/max, store
+        their label channels in the label cache, and (locality constraint) fold their eviction
+        scores into their pages' (key norms, or the eviction head of the values)."""
         if self.kv_lora_rank is not None:
             # The rows stored: an MLA extend's k is then the per-head MHA key (qk_nope + rope
             # dims of each query head), not the latent row the pool holds.
@@ -678,6 +747,17 @@ class SparseDecodeBackend(AttentionBackend):
         else:
             keys = k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim)
         self.summaries.update(self._layer_index(layer), keys, forward_batch.out_cache_loc)
+        if self.locality is not None:
+            from sglang_ext.kernels.locality import update_eviction_page_scores
+
+            index = self._layer_index(layer)
+            x, head = keys, None
+            if self._locality_heads is not None:  # learned: the values' eviction head
+                x = v.reshape(-1, layer.tp_k_head_num, layer.v_head_dim)
+                head = self._locality_heads[index]
+            update_eviction_page_scores(self.locality.page_scores[index], x,
+                                        forward_batch.out_cache_loc, self.config.block_size,
+                                        self.config.eviction_score, head)
         if self.labels is not None:
             from sglang_ext.kernels.label_cache import update_label_cache
 

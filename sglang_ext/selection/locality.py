@@ -214,7 +214,8 @@ def update_eviction_scores(
 class LocalityMetrics:
     """The locality constraint's γ in SGLang's Prometheus endpoint (``--enable-metrics``): the
     mean and the minimum of γ(t) (the share of a step's attended blocks attended at the step
-    before) over the last ``every`` (request, layer) selections."""
+    before) over the last ``every`` (request, layer) selections (reference decode) or over the
+    selections since the last read of the device counters (batched decode)."""
 
     PREFIX = "sglang_ext:locality_"
 
@@ -234,7 +235,12 @@ class LocalityMetrics:
     def observe(self, gamma: float) -> None:
         self._recent.append(gamma)
         if len(self._recent) >= self.every:
-            self.gamma.set(sum(self._recent) / len(self._recent))
-            self.gamma_min.set(min(self._recent))
-            self.selections.inc(len(self._recent))
+            self.observe_many(sum(self._recent), len(self._recent), min(self._recent))
             self._recent.clear()
+
+    def observe_many(self, total: float, count: int, minimum: float) -> None:
+        """``count`` selections at once by their sum and minimum of γ (the batched decode
+        accumulates them on the device and reads them now and then)."""
+        self.gamma.set(total / count)
+        self.gamma_min.set(minimum)
+        self.selections.inc(count)
