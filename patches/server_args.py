@@ -179,6 +179,25 @@ def _check_kernel_locality(cfg: sparse_config.SparseConfig) -> None:
                          f"{cfg.block_size})")
 
 
+def _check_prefill_elsewhere(server_args: Any, cfg: sparse_config.SparseConfig, impl: str) -> None:
+    """``--decode-attention-backend sglang_ext`` with another prefill backend (SGLang's hybrid
+    backend) never shows us the prompt's keys: the batched decode's page summaries (updated as
+    our backend writes KV) would stay stale and the CPU tier would not stage the prompt's pages,
+    so its KV would land in the wrong device rows. Only the reference decode, which recomputes
+    summaries from the keys each step and keeps no tier, works that way."""
+    decode = server_args.decode_attention_backend or server_args.attention_backend
+    prefill = server_args.prefill_attention_backend or server_args.attention_backend
+    if decode != BACKEND_NAME or prefill == BACKEND_NAME:
+        return
+    needs = [what for what, applies in (("the batched decode's block summaries", impl == "triton"),
+                                        ("the CPU tier", cfg.tier != "off")) if applies]
+    if needs:
+        raise SystemExit(
+            f"sglang_ext: --prefill-attention-backend {prefill} sends prefill around our backend, "
+            f"but {' and '.join(needs)} must see the prompt's keys; use --attention-backend "
+            f"{BACKEND_NAME} with --sparse-dense-backend to choose the prefill kernels")
+
+
 def _force_compatible_settings(server_args: Any, cfg: sparse_config.SparseConfig) -> None:
     """Settings that would route decode tokens around our backend, and the paging and CUDA
     graph settings each decode implementation needs."""
@@ -195,6 +214,7 @@ def _force_compatible_settings(server_args: Any, cfg: sparse_config.SparseConfig
     impl = resolve_impl(cfg, server_args.device)
     if impl == "triton" and server_args.device == "cpu":
         raise SystemExit("sglang_ext: --sparse-impl triton needs a CUDA device (use reference on CPU)")
+    _check_prefill_elsewhere(server_args, cfg, impl)
     for field, flag in (("scoring", "--sparse-scoring output_aware"),
                         ("head_policy", "--sparse-head-policy")):
         if impl == "triton" and getattr(cfg, field) not in ("score", None):

@@ -91,6 +91,9 @@ BAD_LAUNCHES = [
     (["--sparse-tier", "async", "--sparse-method", "ds"], "--sparse-tier"),
     (["--sparse-tier", "sync", "--sparse-tier-host-gb", "100000"], "--sparse-tier-host-gb"),
     (["--sparse-guard-every", "8", "--sparse-guard-recall", "1.2"], "--sparse-guard-recall"),
+    # prefill around our backend would leave the CPU tier's prompt pages unstaged
+    (["--decode-attention-backend", "sglang_ext", "--prefill-attention-backend", "torch_native",
+      "--sparse-tier", "sync"], "--prefill-attention-backend"),
 ]
 
 
