@@ -184,9 +184,14 @@ def _check_prefill_elsewhere(server_args: Any, cfg: sparse_config.SparseConfig, 
     backend) never shows us the prompt's keys: the batched decode's page summaries (updated as
     our backend writes KV) would stay stale and the CPU tier would not stage the prompt's pages,
     so its KV would land in the wrong device rows. Only the reference decode, which recomputes
-    summaries from the keys each step and keeps no tier, works that way."""
+    summaries from the keys each step and keeps no tier, works that way. The other way round,
+    another decode backend cannot read the tier's host-homed KV."""
     decode = server_args.decode_attention_backend or server_args.attention_backend
     prefill = server_args.prefill_attention_backend or server_args.attention_backend
+    if prefill == BACKEND_NAME and decode != BACKEND_NAME and cfg.tier != "off":
+        # ...and another decode backend would read logical slots the device does not have.
+        raise SystemExit(f"sglang_ext: --decode-attention-backend {decode} cannot read the CPU "
+                         f"tier's KV; decode with --attention-backend {BACKEND_NAME}")
     if decode != BACKEND_NAME or prefill == BACKEND_NAME:
         return
     needs = [what for what, applies in (("the batched decode's block summaries", impl == "triton"),

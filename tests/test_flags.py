@@ -94,6 +94,8 @@ BAD_LAUNCHES = [
     # prefill around our backend would leave the CPU tier's prompt pages unstaged
     (["--decode-attention-backend", "sglang_ext", "--prefill-attention-backend", "torch_native",
       "--sparse-tier", "sync"], "--prefill-attention-backend"),
+    (["--prefill-attention-backend", "sglang_ext", "--decode-attention-backend", "torch_native",
+      "--sparse-tier", "sync"], "--decode-attention-backend"),
 ]
 
 
