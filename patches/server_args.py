@@ -186,8 +186,10 @@ def _check_prefill_elsewhere(server_args: Any, cfg: sparse_config.SparseConfig, 
     so its KV would land in the wrong device rows. Only the reference decode, which recomputes
     summaries from the keys each step and keeps no tier, works that way. The other way round,
     another decode backend cannot read the tier's host-homed KV."""
-    decode = server_args.decode_attention_backend or server_args.attention_backend
-    prefill = server_args.prefill_attention_backend or server_args.attention_backend
+    # (getattr: sgl.Engine-style and test stand-ins may set attention_backend alone)
+    default = getattr(server_args, "attention_backend", None)
+    decode = getattr(server_args, "decode_attention_backend", None) or default
+    prefill = getattr(server_args, "prefill_attention_backend", None) or default
     if prefill == BACKEND_NAME and decode != BACKEND_NAME and cfg.tier != "off":
         # ...and another decode backend would read logical slots the device does not have.
         raise SystemExit(f"sglang_ext: --decode-attention-backend {decode} cannot read the CPU "
