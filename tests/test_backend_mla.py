@@ -55,7 +55,7 @@ class MhaPrefillDelegate:
         self.calls = 0
 
     def init_forward_metadata(self, forward_batch) -> None:
-        pass
+        """Nothing to plan: forward_extend below only records the call and returns zeros."""
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         assert not save_kv_cache  # the latent rows were written by the model
