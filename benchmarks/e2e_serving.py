@@ -43,8 +43,9 @@ CONFIGS: dict[str, list[str]] = {
                         "--sparse-tier-host-gb", os.environ.get("SGLANG_EXT_TIER_HOST_GB", "64"),
                         "--sparse-tier-gpu-tokens",
                         os.environ.get("SGLANG_EXT_TIER_GPU_TOKENS", "0"),
-                        # the hidden-transfer fraction in the tier stats (issue 4's server bar)
-                        "--sparse-tier-timing", "on"],
+                        # the hidden-transfer fraction in the tier stats (issue 4's server bar);
+                        # $SGLANG_EXT_TIER_TIMING=off where the device clock is unavailable
+                        "--sparse-tier-timing", os.environ.get("SGLANG_EXT_TIER_TIMING", "on")],
     # the accuracy guard: probes every 16 steps and widens budgets (up to 4x) where recall < 0.9
     "sglang_ext_guard": ["--attention-backend", "sglang_ext", "--sparse-budget", "2048",
                          "--sparse-block-size", "16", "--sparse-guard-every", "16"],

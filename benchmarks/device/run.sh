@@ -2,7 +2,7 @@
 # One self-contained run on the GPU host (see ../shared/gpu/README.md): unpack the SGLang bundle,
 # install this repo, then the named steps. Results land in $OUT (or benchmarks/results).
 # Usage: bash benchmarks/device/run.sh COMMIT STEP...
-#   steps: env gputests operator tier fluxion transfer server e2e soak capacity locality
+#   steps: env gputests clock operator tier fluxion transfer server e2e soak capacity locality
 #   tp2-greedy (tp2-greedy: on nvidia-h200-x2)
 # Wheels in .whl/ (carried, git-ignored; e.g. prometheus_client for --enable-metrics, which the
 # bundle lacks) are installed first.
@@ -65,7 +65,12 @@ for step in "$@"; do
           --context-length 163840 --mem-fraction-static 0.8 --cuda-graph-backend-prefill disabled \
           --cuda-graph-max-bs 16 --max-running-requests 16 --enable-metrics \
           --attention-backend sglang_ext --sparse-budget 2048 --sparse-block-size 32 \
-          --sparse-tier async --sparse-tier-host-gb 64 --sparse-tier-timing on" || status=1 ;;
+          --sparse-tier async --sparse-tier-host-gb 64 --sparse-tier-timing ${SGLANG_EXT_TIER_TIMING:-on}" || status=1 ;;
+    clock)
+      # the device clock behind --sparse-tier-timing; without it the tier runs untimed
+      python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_stream_clock.py \
+        tests/test_memory_tier.py -k "clock or timing" 2>&1 | tail -5
+      [ "${PIPESTATUS[0]}" = 0 ] || { export SGLANG_EXT_TIER_TIMING=off; status=1; } ;;
     capacity)
       # Issue 4: how many concurrent 128k requests each server admits, full attention (flashinfer)
       # vs ours with the CPU tier, beside the physical limit (device KV + pinned host) / device KV
