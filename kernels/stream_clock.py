@@ -36,6 +36,12 @@ class StreamClock:
     def __init__(self, slots: int, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self.buf = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        if self.device.type == "cuda":
+            # Compile both kernel variants now: a first launch in the middle of a timed span
+            # would stall the stream for the JIT's host time and count it as GPU time.
+            self.mark(0)
+            self.add_since(0, 0)
+            self.buf.zero_()
 
     def mark(self, slot: int) -> None:
         """Stamp ``slot`` with the time the current stream reaches this call."""

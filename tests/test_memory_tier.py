@@ -275,8 +275,8 @@ def test_gpu_tier_timing_sees_the_prefetch_hidden_behind_compute(mode):
         setup.step_tiered(q, channels, before_fence=busy)
     torch.cuda.synchronize()
     stats = setup.tier.read_stats()
-    assert stats["transfer_s"] > 0
+    assert stats["transfer_s"] > 0, stats
     if mode == "async":
-        assert stats["hidden_fraction"] > 0.9
+        assert stats["hidden_fraction"] > 0.9, stats
     else:
         assert stats["hidden_fraction"] == 0.0

@@ -53,7 +53,7 @@ for step in "$@"; do
       SGLANG_EXT_DUMMY_WEIGHTS=scaled SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 \
       python3 benchmarks/soak.py --server-log "$OUT/soak_server.log" --out "$OUT/soak_h200.json" \
         --requests "${SOAK_REQUESTS:-200}" --concurrency 12 --max-new-tokens 32 \
-        --lengths 1024:70 2048:50 4096:35 8192:20 16384:12 32768:8 131072:5 \
+        --lengths ${SOAK_LENGTHS:-1024:70 2048:50 4096:35 8192:20 16384:12 32768:8 131072:5} \
         --time-limit "${SOAK_SECONDS:-300}" \
         --dense-reference 4 --dense-lengths 1000 1500 \
         --dense-launch "--model-path .gpu/models/qwen3-8b-shape --tokenizer-path .gpu/models/tokenizer \
@@ -69,7 +69,7 @@ for step in "$@"; do
     clock)
       # the device clock behind --sparse-tier-timing; without it the tier runs untimed
       python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_stream_clock.py \
-        tests/test_memory_tier.py -k "clock or timing" 2>&1 | tail -5
+        tests/test_memory_tier.py -k "clock or timing" 2>&1 | grep -E "^E |passed|failed" | tail -12
       [ "${PIPESTATUS[0]}" = 0 ] || { export SGLANG_EXT_TIER_TIMING=off; status=1; } ;;
     capacity)
       # Issue 4: how many concurrent 128k requests each server admits, full attention (flashinfer)
