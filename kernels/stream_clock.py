@@ -20,7 +20,9 @@ import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
 
-@triton.jit
+# Slot numbers stay runtime values: Triton would otherwise specialise 1 and multiples of 16 into
+# separate kernels, each compiled at its first launch, possibly inside a timed span.
+@triton.jit(do_not_specialize=["mark", "acc"])
 def _clock_kernel(BUF, mark, acc, ACCUMULATE: tl.constexpr):
     now = globaltimer()
     if ACCUMULATE:

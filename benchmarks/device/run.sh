@@ -78,7 +78,7 @@ for step in "$@"; do
       # the row's tier stats carry the hidden-transfer fraction. Prompts: enough for twice
       # what full attention holds; short outputs (admission, not decode speed, is measured).
       SGLANG_EXT_TIER_HOST_GB="${CAP_HOST_GB:-96}" \
-      python3 benchmarks/e2e_serving.py --out "$OUT" --configs flashinfer sglang_ext_tier_fi \
+      python3 benchmarks/e2e_serving.py --out "$OUT" --configs ${CAP_CONFIGS:-flashinfer sglang_ext_tier_fi} \
         --input-len 131072 --output-len "${CAP_OUTPUT:-32}" --num-prompts "${CAP_PROMPTS:-10}" \
         --concurrency "${CAP_PROMPTS:-10}" --results-name capacity_h200 \
         --extra "--mem-fraction-static 0.8 --max-running-requests 16 --cuda-graph-max-bs 16 \
