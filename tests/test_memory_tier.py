@@ -261,6 +261,21 @@ def test_tier_timing_on_the_cpu_counts_every_transfer_as_waited_for(mode):
     assert "transfer_s" not in plain.tier.read_stats()
 
 
+def test_tier_timing_starts_at_the_first_tiered_request():
+    """Steps before any row is tiered (SGLang's CUDA-graph capture and warm-up) are not timed
+    into the counters: the clock is zeroed when the first row is attached, and only then."""
+    host = HostKVStore(1, 2, 16, 16, 64, 4, torch.bfloat16)
+    tier = WorkingSetTier(num_layers=1, num_kv_heads=2, max_rows=3, max_blocks=16, num_slots=4,
+                          page_size=4, max_batch=2, host=host, device="cpu", timing=True)
+    tier.clock.buf[2:] = 10**9  # what the warm-up's untiered fetches accumulated
+    assert tier.read_stats()["transfer_s"] == 1.0
+    tier.attach(0, torch.arange(4))
+    assert tier.read_stats()["transfer_s"] == 0.0
+    tier.clock.buf[2] = 5 * 10**8  # a tiered step's transfer time
+    tier.attach(1, torch.arange(4, 8))  # a later attach keeps the count
+    assert tier.read_stats()["transfer_s"] == 0.5
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -77,7 +77,11 @@ for step in "$@"; do
       # computed from the two servers' logs (capacity_vs_limit in the rows); tier timing on, so
       # the row's tier stats carry the hidden-transfer fraction. Prompts: enough for twice
       # what full attention holds; short outputs (admission, not decode speed, is measured).
-      SGLANG_EXT_TIER_HOST_GB="${CAP_HOST_GB:-96}" \
+      # Decisive dummy weights (patches/model_loader.py), as in the soak: SGLang's random ones
+      # give almost no step-to-step locality. One server per call on a fresh machine (each takes
+      # 5-6 min to start): CAP_CONFIGS=flashinfer, then CAP_CONFIGS=sglang_ext_tier_fi, then
+      # e2e_serving.py --collect over both calls' files.
+      SGLANG_EXT_DUMMY_WEIGHTS=scaled SGLANG_EXT_TIER_HOST_GB="${CAP_HOST_GB:-96}" \
       python3 benchmarks/e2e_serving.py --out "$OUT" --configs ${CAP_CONFIGS:-flashinfer sglang_ext_tier_fi} \
         --input-len 131072 --output-len "${CAP_OUTPUT:-32}" --num-prompts "${CAP_PROMPTS:-10}" \
         --concurrency "${CAP_PROMPTS:-10}" --results-name capacity_h200 \

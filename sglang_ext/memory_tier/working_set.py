@@ -107,6 +107,7 @@ class WorkingSetTier:
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._forked = False
         self.clock = StreamClock(4, self.device) if timing else None
+        self._clock_started = False
 
     # ------------------------------------------------------------ host-side bookkeeping
     # (called by the pool manager between steps, in stream order)
@@ -126,6 +127,12 @@ class WorkingSetTier:
         self.slot_block[row] = -1
         self.attend_rows[row] = -1
         self.tiered[row] = 1
+        if self.clock is not None and not self._clock_started:
+            # The clock counts from the first tiered request: before it, SGLang's CUDA-graph
+            # capture and warm-up run the fetch path eagerly, JIT compiles included (seconds on
+            # a fresh machine), with nothing to transfer.
+            self.clock.buf.zero_()
+            self._clock_started = True
 
     def preload(self, row: int, blocks: Tensor) -> None:
         """Record that the first ``len(blocks)`` working-set slots of ``row`` already hold
