@@ -119,6 +119,9 @@ def server_log_stats(log_text: str) -> dict[str, int]:
     host = re.findall(r"host store ([\d.]+) GB", log_text)
     tier = re.findall(r"sglang_ext tier stats: (\{.*\})", log_text)
     guard = re.findall(r"sglang_ext guard: (\d+) probes, (\d+) raised, (\d+) lowered", log_text)
+    running = [int(n) for n in re.findall(r"#running-req: (\d+)", log_text)]
+    decode = [float(t) for t in re.findall(
+        r"Decode batch, .*gen throughput \(token/s\): ([\d.]+)", log_text)]
     return {
         "max_total_num_tokens": int(capacity[-1]) if capacity else None,
         # per rank: the device KV pool SGLang allocated and the pinned host store of the tier
@@ -127,6 +130,12 @@ def server_log_stats(log_text: str) -> dict[str, int]:
         "tier_stats": json.loads(tier[-1]) if tier else None,
         "guard_probes_raised_lowered": [int(x) for x in guard[-1]] if guard else None,
         "server_errors": len(errors),
+        # requests decoding at once (the server's count; bench_serving's is the client's)
+        "server_max_running": max(running) if running else None,
+        # decode throughput without the prefill time that bench_serving's output throughput
+        # includes: the best of SGLang's decode log intervals (one line per
+        # --decode-log-interval steps, 40 by default, each averaged over its interval)
+        "decode_tok_s": max(decode) if decode else None,
         "server_prefill_tokens": sum(int(m) for m in re.findall(r"#new-token: (\d+)", log_text)),
         "server_decode_log_lines": log_text.count("Decode batch"),
     }
@@ -452,6 +461,8 @@ def main() -> int:
     base = next((r for r in rows if r["backend"] == "flashinfer"), None)
     for r in rows:
         r["speedup_vs_flashinfer"] = (r["output_tok_s"] / base["output_tok_s"]) if base and base["output_tok_s"] else None
+        r["decode_speedup_vs_flashinfer"] = (r["decode_tok_s"] / base["decode_tok_s"]) \
+            if base and base.get("decode_tok_s") and r.get("decode_tok_s") else None
     meta = {"commit": git_commit(), "gpu": args.gpu or gpu_name(),
             "model": os.path.basename(args.model),
             # patches/model_loader.py: "scaled" makes greedy comparisons decisive

@@ -103,3 +103,23 @@ def test_locality_rows_carry_bytes_per_step_and_their_ratio() -> None:
     locality_vs_two_level(rows)
     assert rows[1]["bytes_vs_two_level"] == 0.25 and "bytes_vs_two_level" not in rows[0]
     assert tier_traffic(CONFIGS["sglang_ext"], None) == {}
+
+
+def test_decode_throughput_and_running_requests_come_from_the_decode_log_lines() -> None:
+    """bench_serving's output throughput includes prefill (at 128k most of a run); the rows also
+    carry the server's best decode interval and how many requests ran at once."""
+    log = "\n".join([
+        "[t] Prefill batch, #new-seq: 1, #new-token: 32768, #cached-token: 0, token usage: 0.06, "
+        "#running-req: 0, #queue-req: 3, #pending-token: 9, cuda graph: False, "
+        "input throughput (token/s): 9045.65",
+        "[t] Decode batch, #running-req: 3, #token: 9, token usage: 0.40, cuda graph: True, "
+        "gen throughput (token/s): 12.50, #queue-req: 1",
+        "[t] Decode batch, #running-req: 5, #token: 9, token usage: 0.98, cuda graph: True, "
+        "gen throughput (token/s): 183.25, #queue-req: 0",
+        "[t] Decode batch, #running-req: 4, #token: 9, token usage: 0.79, cuda graph: True, "
+        "gen throughput (token/s): 150.00, #queue-req: 0",
+    ])
+    stats = server_log_stats(log)
+    assert stats["server_max_running"] == 5
+    assert stats["decode_tok_s"] == 183.25
+    assert server_log_stats("no decode yet")["decode_tok_s"] is None
