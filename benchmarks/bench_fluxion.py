@@ -14,7 +14,9 @@ Both configurations attend exactly this step's selection:
 * ``on``: the priority scheduler (sglang_ext/memory_tier/cooperative.py) gives CPU threads the
   smallest miss sets it expects them to finish before the GPU; they attend those from host
   memory while the GPU attends the rest (the other misses gathered first); the partials are
-  merged by log-sum-exp.
+  merged by log-sum-exp. A layer where one CPU task's fixed cost alone exceeds the GPU's
+  estimate is not planned (``PriorityScheduler.worth_planning``: the plan's device sync would
+  buy nothing) and runs as ``off``; ``planned_layer_frac`` says how many were planned.
 
 The scheduler's cost model is measured first on this machine (GPU and CPU seconds per attended
 token, seconds per gathered block). GPU idle fraction = 1 - (GPU busy time, CUDA events around
@@ -165,13 +167,16 @@ def main(argv=None) -> int:
             return attend_blocks(q, dev_k[layer].transpose(0, 1), dev_v[layer].transpose(0, 1),
                                  pages, bs, scaling)
 
-        def run_step(q_layers, resident, cooperative, scheduler, timer):
-            fetched = on_cpu = 0
+        def run_step(q_layers, resident, cooperative, scheduler, timer, gate=True):
+            """One decode step over all layers; cooperative layers are planned unless the
+            scheduler's gate skips them (``gate=False``: always plan, for the check)."""
+            fetched = on_cpu = planned = 0
             outs = []
             for layer in range(NL):
                 q = q_layers[layer]
                 selected = select(q, layer)
-                if cooperative:
+                if cooperative and (not gate or scheduler.worth_planning()):
+                    planned += 1
                     plan, res_part, cpu_blocks, gpu_misses = plan_split(
                         selected, resident[layer], scheduler, bs)
                     fut = workers.submit(q.cpu(), host_k[layer], host_v[layer],
@@ -198,7 +203,7 @@ def main(argv=None) -> int:
                 # The working set now holds this step's selection (AsyncTLS: next step's base).
                 resident[layer].zero_()
                 resident[layer].scatter_(2, selected, True)
-            return outs, fetched, on_cpu
+            return outs, fetched, on_cpu, planned
 
         def fresh_resident(q0):
             res = []
@@ -235,8 +240,9 @@ def main(argv=None) -> int:
 
         if args.check:
             res = fresh_resident(qs[0])
-            want, _, _ = run_step(qs[1], [r.clone() for r in res], False, scheduler, GpuTimer())
-            got, _, n_cpu = run_step(qs[1], [r.clone() for r in res], True, scheduler, GpuTimer())
+            want, _, _, _ = run_step(qs[1], [r.clone() for r in res], False, scheduler, GpuTimer())
+            got, _, n_cpu, _ = run_step(qs[1], [r.clone() for r in res], True, scheduler,
+                                        GpuTimer(), gate=False)
             err = max(float((a - b).abs().max()) for a, b in zip(got, want))
             print(f"  check: cooperative vs plain max |diff| {err:.2e} ({n_cpu} blocks on the CPU)")
             if err > 1e-3:
@@ -246,15 +252,15 @@ def main(argv=None) -> int:
         for cooperative in (False, True):
             res = fresh_resident(qs[0])
             run_step(qs[1], res, cooperative, scheduler, GpuTimer())  # warm-up
-            times, idles, fetched, cpu_blocks = [], [], [], []
+            times, idles, fetched, cpu_blocks, planned = [], [], [], [], []
             for s in tqdm(range(args.steps), desc=f"{context} coop={'on' if cooperative else 'off'}"):
                 timer = GpuTimer()
                 sync(); t = time.perf_counter()
-                _, f, c = run_step(qs[2 + s], res, cooperative, scheduler, timer)
+                _, f, c, n_planned = run_step(qs[2 + s], res, cooperative, scheduler, timer)
                 sync(); wall = time.perf_counter() - t
                 times.append(wall)
                 idles.append(max(0.0, 1.0 - timer.busy_s() / wall))
-                fetched.append(f); cpu_blocks.append(c)
+                fetched.append(f); cpu_blocks.append(c); planned.append(n_planned)
             rows.append({
                 "context": context, "cooperative": "on" if cooperative else "off",
                 "batch": B, "layers": NL, "budget": args.budget, "block_size": bs,
@@ -262,6 +268,8 @@ def main(argv=None) -> int:
                 "gpu_idle_frac": round(statistics.median(idles), 4),
                 "fetched_blocks_per_step": statistics.mean(fetched),
                 "cpu_blocks_per_step": statistics.mean(cpu_blocks),
+                # layers the scheduler planned (the others it skipped: the CPU could not help)
+                "planned_layer_frac": statistics.mean(planned) / NL,
                 "selected_blocks_per_step": B * HKV * k_sel * NL,
                 # the scheduler's online correction of the CPU cost model (observed / modelled)
                 "cpu_cost_scale": round(scheduler.cpu_scale, 3) if cooperative else None,

@@ -169,28 +169,7 @@ def test_cooperative_layer_equals_attention_over_the_selection(kv, cpu_cost):
     q, host_k, host_v, gen = kv
     selected = random_selection(gen, k=10)
     resident = torch.rand(B, HKV, BLOCKS, generator=gen) < 0.5
-    # The device pool: resident blocks at scattered device pages; misses get pages when fetched.
-    pages = B * HKV * BLOCKS
-    dev_k = torch.zeros(HKV, pages * PS, D)
-    dev_v = torch.zeros(HKV, pages * PS, D)
-    dev_pages = torch.full((B, HKV, BLOCKS), -1, dtype=torch.long)
-    free = iter(torch.randperm(pages, generator=gen).tolist())
-
-    def place(b, h, blk):
-        p = next(free)
-        dev_pages[b, h, blk] = p
-        dev_k[h, p * PS:(p + 1) * PS] = host_k[h, blk * PS:(blk + 1) * PS]
-        dev_v[h, p * PS:(p + 1) * PS] = host_v[h, blk * PS:(blk + 1) * PS]
-
-    for b, h, blk in resident.nonzero().tolist():
-        place(b, h, blk)
-    fetched_blocks = []
-
-    def fetch(misses):
-        for b, h, j in (misses >= 0).nonzero().tolist():
-            fetched_blocks.append(int(misses[b, h, j]))
-            place(b, h, int(misses[b, h, j]))
-
+    dev_k, dev_v, dev_pages, fetch, fetched_blocks = _device_pool(gen, host_k, host_v, resident)
     cost = CostModel(gpu_s_per_token=1e-8, cpu_s_per_token=cpu_cost, fetch_s_per_block=1e-7,
                      cpu_fixed_s=0.0)
     workers = HostAttentionWorkers(2)
@@ -212,6 +191,71 @@ def test_cooperative_layer_equals_attention_over_the_selection(kv, cpu_cost):
         assert not fetched_blocks and on_cpu == int(((misses >= 0).sum(-1) > 0).sum())
     else:
         assert 0 < len(fetched_blocks) < n_miss
+
+
+def test_scheduler_skips_planning_while_the_cpu_cannot_finish_inside_the_gpu(kv):
+    """A plan costs a device sync per layer; while one CPU task's fixed cost exceeds the GPU's
+    whole estimate it could only say "fetch everything", so the layer skips it (plan None), is
+    still exact, fetches every miss, and plans again every reprobe_every-th call."""
+    q, host_k, host_v, gen = kv
+    slow_cpu = CostModel(gpu_s_per_token=1e-8, cpu_s_per_token=1e-7, fetch_s_per_block=1e-7,
+                         cpu_fixed_s=1.0)
+    sched = PriorityScheduler(slow_cpu, 2, reprobe_every=3)
+    workers = HostAttentionWorkers(2)
+    planned = []
+    try:
+        for _ in range(5):
+            selected = random_selection(gen, k=10)
+            resident = torch.rand(B, HKV, BLOCKS, generator=gen) < 0.5
+            dev_k, dev_v, dev_pages, fetch, fetched = _device_pool(gen, host_k, host_v, resident)
+            out, lse, plan = cooperative_attention(
+                q, dev_k, dev_v, dev_pages, host_k, host_v, selected, resident, PS, SCALING,
+                sched, workers, fetch=fetch)
+            want, want_lse = attend_blocks(q, host_k, host_v, selected, PS, SCALING)
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+            _, misses = split_selection(selected, resident)
+            assert len(fetched) == int((misses >= 0).sum())
+            if plan is not None:
+                assert not any(plan.cpu_items)
+            planned.append(plan is not None)
+    finally:
+        workers.close()
+    assert planned == [True, False, False, True, False]  # the first call, then every 3rd skip
+    # a CPU fast enough for the GPU's estimate is always planned; no threads, never
+    fast = PriorityScheduler(CostModel(cpu_fixed_s=0.0), 2)
+    fast.last_gpu_s = 1e-6
+    assert all(fast.worth_planning() for _ in range(5))
+    assert not PriorityScheduler(CostModel(), 0).worth_planning()
+    with pytest.raises(ValueError):
+        PriorityScheduler(CostModel(), 2, reprobe_every=0)
+
+
+def _device_pool(gen, host_k, host_v, resident):
+    """The device pool: resident blocks at scattered device pages; misses get pages when
+    fetched (``fetch`` records them)."""
+    pages = B * HKV * BLOCKS
+    dev_k = torch.zeros(HKV, pages * PS, D)
+    dev_v = torch.zeros(HKV, pages * PS, D)
+    dev_pages = torch.full((B, HKV, BLOCKS), -1, dtype=torch.long)
+    free = iter(torch.randperm(pages, generator=gen).tolist())
+
+    def place(b, h, blk):
+        p = next(free)
+        dev_pages[b, h, blk] = p
+        dev_k[h, p * PS:(p + 1) * PS] = host_k[h, blk * PS:(blk + 1) * PS]
+        dev_v[h, p * PS:(p + 1) * PS] = host_v[h, blk * PS:(blk + 1) * PS]
+
+    for b, h, blk in resident.nonzero().tolist():
+        place(b, h, blk)
+    fetched_blocks = []
+
+    def fetch(misses):
+        for b, h, j in (misses >= 0).nonzero().tolist():
+            fetched_blocks.append(int(misses[b, h, j]))
+            place(b, h, int(misses[b, h, j]))
+
+    return dev_k, dev_v, dev_pages, fetch, fetched_blocks
 
 
 def test_fluxion_benchmark_smoke_run(tmp_path):

@@ -125,15 +125,39 @@ class PriorityScheduler:
     bandwidth shared with the transfers are not in a calibration), and scales the CPU costs by
     a moving average of the ratio, so a CPU slower than modelled soon gets less work (or none)."""
 
-    def __init__(self, cost: CostModel, cpu_threads: int, adapt: float = 0.5) -> None:
+    def __init__(self, cost: CostModel, cpu_threads: int, adapt: float = 0.5,
+                 reprobe_every: int = 64) -> None:
         if cpu_threads < 0:
             raise ValueError(f"cpu_threads must be >= 0 (got {cpu_threads})")
         if not 0.0 <= adapt <= 1.0:
             raise ValueError(f"adapt must be in [0, 1] (got {adapt})")
+        if reprobe_every < 1:
+            raise ValueError(f"reprobe_every must be >= 1 (got {reprobe_every})")
         self.cost = cost
         self.cpu_threads = cpu_threads
         self.adapt = adapt
+        self.reprobe_every = reprobe_every
         self.cpu_scale = 1.0  # observed / modelled CPU time, moving average
+        self.last_gpu_s: Optional[float] = None  # the GPU's whole estimate at the last plan
+        self._skipped = 0
+
+    def worth_planning(self) -> bool:
+        """Whether to plan this layer at all. A plan needs the step's miss counts on the host
+        (a device sync per layer, ~1 ms on the H200, fluxion_h200.json), so it is skipped while
+        it cannot give the CPU anything: when one CPU task's fixed cost alone exceeds the GPU's
+        whole estimate at the last plan, no miss set can finish on the CPU before the GPU does
+        (:meth:`plan` would fetch every one). The GPU's load changes, so every
+        ``reprobe_every``-th skipped call plans again; a skipped layer fetches all its misses,
+        which is what that plan would have said."""
+        if self.cpu_threads == 0:
+            return False
+        if self.last_gpu_s is None or self.cost.cpu_fixed_s * self.cpu_scale <= self.last_gpu_s:
+            return True
+        self._skipped += 1
+        if self._skipped >= self.reprobe_every:
+            self._skipped = 0
+            return True
+        return False
 
     def observe(self, plan: CooperativePlan, cpu_seconds: float) -> None:
         """The CPU wall time the workers took for ``plan`` (e.g. ``future.cpu_seconds``)."""
@@ -154,6 +178,7 @@ class PriorityScheduler:
             return m * c.gpu_s_per_token + (-(-m // page_size)) * c.fetch_s_per_block
 
         gpu_total = sum(r * c.gpu_s_per_token for r in res) + sum(gpu_cost_of_miss(m) for m in miss)
+        self.last_gpu_s = gpu_total
         # (finish time, thread); a thread's first item also pays the task's fixed cost.
         threads = [(0.0, t) for t in range(self.cpu_threads)]
         heapq.heapify(threads)
@@ -332,12 +357,21 @@ def cooperative_attention(q: Tensor, dev_k: Tensor, dev_v: Tensor, dev_pages: Te
                           host_k: Tensor, host_v: Tensor, selected: Tensor, resident: Tensor,
                           page_size: int, scaling: float, scheduler: PriorityScheduler,
                           workers: HostAttentionWorkers, fetch: Optional[Callable] = None,
-                          ) -> tuple[Tensor, Tensor, CooperativePlan]:
+                          ) -> tuple[Tensor, Tensor, Optional[CooperativePlan]]:
     """One layer's attention over exactly ``selected``: the GPU part over resident blocks (read
     through ``dev_pages`` ``[B, Hkv, N]``: block -> device page, for ``dev_k``/``dev_v``
     ``[Hkv, P, D]``), the CPU part over the planned misses from host memory, the rest fetched by
     ``fetch(miss_blocks, mask)`` (which must make them resident and map them in ``dev_pages``)
-    before the GPU attends them. Returns ``(out, lse, plan)``."""
+    before the GPU attends them. Returns ``(out, lse, plan)``; ``plan`` is None where the
+    scheduler skipped planning (:meth:`PriorityScheduler.worth_planning`: every miss fetched)."""
+    if not scheduler.worth_planning():
+        res_part, gpu_misses = split_selection(selected, resident)
+        if fetch is not None and bool((gpu_misses >= 0).any()):
+            fetch(gpu_misses)
+        pages = torch.gather(dev_pages, 2, selected.long().clamp(min=0))
+        pages = torch.where(selected >= 0, pages, torch.full_like(pages, -1))
+        out, lse = attend_blocks(q, dev_k, dev_v, pages, page_size, scaling)
+        return out, lse, None
     plan, res_part, cpu_blocks, gpu_misses = plan_split(selected, resident, scheduler, page_size)
     # The CPU starts first (it needs q and its block lists on the host), then the GPU runs.
     future = workers.submit(q.cpu(), host_k, host_v, cpu_blocks.cpu(), plan, page_size, scaling)
