@@ -253,26 +253,66 @@ def summary_bytes_per_value(name: str) -> int:
 
 
 def floor_bytes(params, batch: int, context: int, num_channels: int,
-                summary_bytes: int = 2) -> int:
+                summary_bytes: int = 2, *, num_q_heads: int = HQ, num_kv_heads: int = HKV,
+                key_dim: int = HEAD_DIM, value_dim: int = HEAD_DIM,
+                stored_value_dim: int | None = None) -> int:
     """Bytes the sparse path must move for one layer's decode step of this batch
-    (``summary_bytes`` per summary value: 2 for bf16 summaries, 4 for float32)."""
+    (``summary_bytes`` per summary value: 2 for bf16 summaries, 4 for float32). The head
+    shape defaults to Qwen3-8B's; ``stored_value_dim`` is what a selected row holds beside its
+    key (default ``value_dim``; 0 for MLA, whose values are a view of the key rows)."""
+    stored_value_dim = value_dim if stored_value_dim is None else stored_value_dim
     bs = params.block_size
     blocks = -(-context // bs)
-    sel_kv = batch * HKV * min(params.budget, context) * (HEAD_DIM + HEAD_DIM) * 2
-    qo = batch * HQ * HEAD_DIM * 2 * 2
+    sel_kv = batch * num_kv_heads * min(params.budget, context) * (key_dim + stored_value_dim) * 2
+    qo = batch * num_q_heads * (key_dim + value_dim) * 2
     summaries = labels = index = 0
     if params.method in ("quest", "two_level"):
-        summaries = batch * HKV * blocks * HEAD_DIM * summary_bytes * 2  # kmin + kmax
+        summaries = batch * num_kv_heads * blocks * key_dim * summary_bytes * 2  # kmin + kmax
         index += batch * blocks * 4  # page of each block
     if params.method == "two_level":
         cand_tok = min(params.candidate_blocks, blocks) * bs
-        labels = batch * HKV * cand_tok * num_channels * 2
-        index += batch * HKV * cand_tok * 4  # slot of each candidate token
+        labels = batch * num_kv_heads * cand_tok * num_channels * 2
+        index += batch * num_kv_heads * cand_tok * 4  # slot of each candidate token
     elif params.method == "ds":
-        labels = batch * HKV * context * num_channels * 2
+        labels = batch * num_kv_heads * context * num_channels * 2
         index += batch * context * 4
-    index += batch * HKV * params.budget * 4  # slots of the selected tokens
+    index += batch * num_kv_heads * params.budget * 4  # slots of the selected tokens
     return sel_kv + qo + summaries + labels + index
+
+
+def build_page_summaries(torch, k_buffer, block_size: int, dtype):
+    """``(kmin, kmax)`` of every page of a one-layer pool ``[slots, Hkv, D]`` (whole pages)."""
+    from sglang_ext.kernels.block_summary import allocate_block_summaries, update_block_summaries
+
+    num_slots, num_kv_heads, head_dim = k_buffer.shape
+    dev = k_buffer.device
+    kmin, kmax = allocate_block_summaries(num_slots, num_kv_heads, head_dim, block_size,
+                                          device=dev, dtype=dtype)
+    chunk = 1 << 20
+    for s in range(0, num_slots, chunk):  # every page is whole: its first slot resets it
+        e = min(s + chunk, num_slots)
+        update_block_summaries(kmin, kmax, k_buffer[s:e], torch.arange(s, e, device=dev),
+                               block_size)
+    return kmin, kmax
+
+
+def random_request_slots(torch, batch: int, context: int, block_size: int, num_slots: int,
+                         gen, device):
+    """``req_to_token`` int32 ``[batch, context]``: each request on random whole pages of the
+    pool (page 0 is the padding page); disjoint while the pool has room, otherwise distinct
+    pages within a request, shared between requests."""
+    bs = block_size
+    pages_per_req = -(-context // bs)
+    num_pages = num_slots // bs - 1
+    if batch * pages_per_req <= num_pages:  # disjoint pages
+        perm = torch.randperm(num_pages, device=device, generator=gen) + 1
+        pages = perm[: batch * pages_per_req].view(batch, pages_per_req)
+    else:  # distinct pages within a request, shared between requests
+        pages = torch.stack([
+            torch.randperm(num_pages, device=device, generator=gen)[:pages_per_req] + 1
+            for _ in range(batch)])
+    req_to_token = (pages[:, :, None] * bs + torch.arange(bs, device=device)).view(batch, -1)
+    return req_to_token[:, :context].to(torch.int32).contiguous()
 
 
 # ----------------------------------------------------------------------------- baselines
@@ -620,10 +660,6 @@ def _tensor_cores(args) -> bool:
 def run_benchmark(args, device: str = "cuda") -> dict:
     import torch
 
-    from sglang_ext.kernels.block_summary import (
-        allocate_block_summaries,
-        update_block_summaries,
-    )
     from sglang_ext.kernels.sparse_decode import (
         SparseDecodeWorkspace,
         select_slots_batched,
@@ -656,16 +692,9 @@ def run_benchmark(args, device: str = "cuda") -> dict:
     summary_names = [args.summary_dtype]
     if args.compare_summary_dtype:
         summary_names.append("fp32" if args.summary_dtype == "bf16" else "bf16")
-    summaries = {}  # dtype name -> (kmin, kmax)
-    for name in summary_names:
-        kmin, kmax = allocate_block_summaries(num_slots, HKV, HEAD_DIM, bs, device=dev,
-                                              dtype=getattr(torch, SUMMARY_DTYPES[name]))
-        chunk = 1 << 20
-        for s in range(0, num_slots, chunk):  # every page is whole: its first slot resets it
-            e = min(s + chunk, num_slots)
-            update_block_summaries(kmin, kmax, k_buffer[s:e], torch.arange(s, e, device=dev),
-                                   bs)
-        summaries[name] = (kmin, kmax)
+    summaries = {  # dtype name -> (kmin, kmax)
+        name: build_page_summaries(torch, k_buffer, bs, getattr(torch, SUMMARY_DTYPES[name]))
+        for name in summary_names}
     kmin, kmax = summaries[args.summary_dtype]
     torch.cuda.synchronize()
     r = args.label_channels or HEAD_DIM
@@ -697,18 +726,7 @@ def run_benchmark(args, device: str = "cuda") -> dict:
                 print(f"time limit reached: skipping context={context} batch={batch}")
                 continue
             row = {"context": context, "batch": batch, "budget": params.budget}
-            # requests on random whole pages of the pool (page 0 is the padding page)
-            pages_per_req = -(-context // bs)
-            num_pages = num_slots // bs - 1
-            if batch * pages_per_req <= num_pages:  # disjoint pages
-                perm = torch.randperm(num_pages, device=dev, generator=gen) + 1
-                pages = perm[: batch * pages_per_req].view(batch, pages_per_req)
-            else:  # distinct pages within a request, shared between requests
-                pages = torch.stack([
-                    torch.randperm(num_pages, device=dev, generator=gen)[:pages_per_req] + 1
-                    for _ in range(batch)])
-            req_to_token = (pages[:, :, None] * bs + torch.arange(bs, device=dev)).view(batch, -1)
-            req_to_token = req_to_token[:, :context].to(torch.int32).contiguous()
+            req_to_token = random_request_slots(torch, batch, context, bs, num_slots, gen, dev)
             req_pool_indices = torch.arange(batch, dtype=torch.int64, device=dev)
             seq_lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
             q = torch.randn(batch, HQ, HEAD_DIM, dtype=torch.bfloat16, device=dev, generator=gen)
@@ -924,6 +942,23 @@ def plot(result, path):
     plt.close(fig)
 
 
+def write_result(path: str, result: dict) -> None:
+    """Write this run's result over the file's MHA rows and top-level fields. Rows of other
+    models (bench_operator_mla.py merges its MLA rows, which name their "model", into the same
+    file) and top-level fields this run does not set (their "mla_config") stay, the rows
+    keeping the commit and GPU they were measured on."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.results_io import merge_rows
+
+    top, rows = {}, result["rows"]
+    if os.path.exists(path):
+        with open(path) as f:
+            top = {k: v for k, v in json.load(f).items() if k != "rows"}
+        rows = merge_rows(path, rows, key=lambda r: r.get("model"), inherit=("commit", "gpu"))
+    with open(path, "w") as f:
+        json.dump({**top, **result, "rows": rows}, f, indent=2)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.fi_page_size not in (1, args.block_size):
@@ -945,8 +980,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     stem = "operator_h200" + (f"_{args.tag}" if args.tag else "")
     json_path = os.path.join(args.out, stem + ".json")
-    with open(json_path, "w") as f:
-        json.dump(result, f, indent=2)
+    write_result(json_path, result)
     png_path = os.path.join(args.out, stem + ".png")
     try:
         plot(result, png_path)

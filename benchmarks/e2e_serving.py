@@ -28,6 +28,7 @@ import requests
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks import results_io  # noqa: E402
 from benchmarks.results_io import git_commit, gpu_name, write_results  # noqa: E402
 from benchmarks.soak import TIE_MARGIN, mismatch  # noqa: E402
 
@@ -298,18 +299,9 @@ def _top2_margin(reply: dict[str, Any], pos: int) -> Optional[float]:
 def merge_rows(path: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows already in ``path`` (runs of other context lengths or TP sizes) with this run's
     rows replacing those of the same backend, input length, TP size and model."""
-    if not os.path.exists(path):
-        return rows
-    with open(path) as f:
-        old = json.load(f)
-    key = lambda r: (r["backend"], r["input_len"], r.get("tp", 1), r.get("model", old.get("model")))
-    new_keys = {key(r) for r in rows}
-    kept = []
-    for r in old.get("rows", []):
-        r = {"tp": 1, "model": old.get("model"), "commit": old.get("commit"), **r}
-        if key(r) not in new_keys:
-            kept.append(r)
-    return kept + rows
+    return results_io.merge_rows(
+        path, rows, key=lambda r: (r["backend"], r["input_len"], r["tp"], r["model"]),
+        defaults={"tp": 1})
 
 
 def synthetic_label_config(model_path: str, channels: int, out_dir: str) -> str:

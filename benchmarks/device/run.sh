@@ -2,8 +2,8 @@
 # One self-contained run on the GPU host (see ../shared/gpu/README.md): unpack the SGLang bundle,
 # install this repo, then the named steps. Results land in $OUT (or benchmarks/results).
 # Usage: bash benchmarks/device/run.sh COMMIT STEP...
-#   steps: env gputests clock operator tier fluxion transfer server e2e soak capacity locality
-#   tp2-greedy (tp2-greedy: on nvidia-h200-x2)
+#   steps: env gputests clock operator mla-operator tier fluxion transfer server e2e soak capacity
+#   locality tp2-greedy (tp2-greedy: on nvidia-h200-x2)
 # Wheels in .whl/ (carried, git-ignored; e.g. prometheus_client for --enable-metrics, which the
 # bundle lacks) are installed first.
 set -uo pipefail
@@ -27,6 +27,10 @@ for step in "$@"; do
       python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tail -25 || status=1 ;;
     operator)
       python3 benchmarks/bench_operator.py --check --out "$OUT" ${OPERATOR_ARGS:-} || status=1 ;;
+    mla-operator)
+      # DeepSeek-V2-Lite's MLA layer: ours vs SGLang's Triton MLA decode and FlashInfer MLA; its
+      # rows go into operator_h200.json beside the MHA rows
+      python3 benchmarks/bench_operator_mla.py --check --out "$OUT" ${MLA_OPERATOR_ARGS:-} || status=1 ;;
     tier)
       python3 benchmarks/bench_tier.py --check --out "$OUT" ${TIER_ARGS:-} || status=1 ;;
     fluxion)
