@@ -49,12 +49,8 @@ DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 POOL_TOKEN_CAP = 1 << 20
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--out", default=DEFAULT_OUT, help="output directory (default: %(default)s)")
-    p.add_argument("--tag", default="", help="file name suffix: operator_h200_<tag>.json")
+def add_case_args(p: argparse.ArgumentParser) -> None:
+    """The cases and selection settings every operator benchmark takes (MHA and MLA)."""
     p.add_argument("--contexts", default="32768,65536,131072", help="comma-separated contexts")
     p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--budget", type=int, default=2048)
@@ -64,6 +60,15 @@ def parse_args(argv=None):
     p.add_argument("--method", default="two_level", choices=["two_level", "quest", "ds"])
     p.add_argument("--candidate-blocks", type=int, default=0,
                    help="two_level candidate blocks (0 = twice what the budget needs)")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--out", default=DEFAULT_OUT, help="output directory (default: %(default)s)")
+    p.add_argument("--tag", default="", help="file name suffix: operator_h200_<tag>.json")
+    add_case_args(p)
     p.add_argument("--label-channels", type=int, default=16,
                    help="label channels per kv head (0 = all channels)")
     p.add_argument("--topk-impl", default="triton", choices=["triton", "torch"])
@@ -246,6 +251,13 @@ def selection_params(args):
 
 
 SUMMARY_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def selection_config(params) -> dict:
+    """The selection settings a results file records."""
+    return {"method": params.method, "budget": params.budget, "block_size": params.block_size,
+            "sink": params.sink, "window": params.window,
+            "candidate_blocks": params.candidate_blocks}
 
 
 def summary_bytes_per_value(name: str) -> int:
@@ -844,12 +856,7 @@ def run_benchmark(args, device: str = "cuda") -> dict:
             "num_kv_heads": HKV,
             "head_dim": HEAD_DIM,
             "dtype": "bfloat16",
-            "method": params.method,
-            "budget": params.budget,
-            "block_size": bs,
-            "sink": params.sink,
-            "window": params.window,
-            "candidate_blocks": params.candidate_blocks,
+            **selection_config(params),
             "label_channels": args.label_channels or "all",
             "topk_impl": args.topk_impl,
             "block_score_precision": args.block_score_precision,
@@ -906,16 +913,34 @@ def print_table(result):
               f"{_fmt(r.get('speedup_vs_triton'), '.2f'):>7}")
 
 
-def plot(result, path):
+def operator_figure(rows: list[dict]):
+    """``(pyplot, figure, axes, batches)``: one panel per batch size of the rows."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["rows"]
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, max(1, len(batches)), figsize=(5 * max(1, len(batches)), 4),
                              squeeze=False)
+    return plt, fig, axes, batches
+
+
+def style_context_axis(ax, contexts: list[int], batch: int) -> None:
+    """One panel of an operator plot: log-log ms per layer over the contexts, for one batch."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(contexts, [f"{c // 1024}k" if c >= 1024 else str(c) for c in contexts])
+    ax.minorticks_off()
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("ms per layer")
+    ax.set_title(f"batch {batch}")
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def plot(result, path):
+    rows = result["rows"]
+    plt, fig, axes, batches = operator_figure(rows)
     series = [("ours_ms", "ours (sparse)", "o-"), ("flashinfer_ms", "FlashInfer full", "s-"),
               ("triton_ms", "SGLang Triton full", "^-"), ("floor_ms", "ours: bytes floor", "k--")]
     for ax, batch in zip(axes[0], batches):
@@ -925,14 +950,7 @@ def plot(result, path):
             pts = [(c, r[key]) for c, r in zip(ctx, sub) if r.get(key)]
             if pts:
                 ax.plot(*zip(*pts), style, label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(ctx, [f"{c // 1024}k" if c >= 1024 else str(c) for c in ctx])
-        ax.minorticks_off()
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("ms per layer")
-        ax.set_title(f"batch {batch}")
-        ax.grid(True, which="both", alpha=0.3)
+        style_context_axis(ax, ctx, batch)
     axes[0][0].legend(fontsize=8)
     cfg = result["config"]
     fig.suptitle(f"{result['gpu']}: decode attention, 32q/8kv x128 bf16, budget {cfg['budget']}, "

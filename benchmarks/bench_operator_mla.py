@@ -55,12 +55,16 @@ sys.path.insert(0, REPO)
 
 from benchmarks.bench_operator import (
     Timer,
+    add_case_args,
+    operator_figure,
+    style_context_axis,
     _time_operator,
     _versions,
     build_page_summaries,
     floor_bytes,
     measure_bandwidth,
     random_request_slots,
+    selection_config,
     selection_params,
 )
 from benchmarks.results_io import git_commit, gpu_name, merge_rows, write_results
@@ -128,15 +132,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=DEFAULT_OUT, help="output directory (default: %(default)s)")
     p.add_argument("--model-config", default=DEFAULT_CONFIG,
                    help="HF config of the MLA model shape (default: DeepSeek-V2-Lite)")
-    p.add_argument("--contexts", default="32768,65536,131072", help="comma-separated contexts")
-    p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
-    p.add_argument("--budget", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--sink", type=int, default=16)
-    p.add_argument("--window", type=int, default=64)
-    p.add_argument("--method", default="two_level", choices=["two_level", "quest", "ds"])
-    p.add_argument("--candidate-blocks", type=int, default=0,
-                   help="two_level candidate blocks (0 = twice what the budget needs)")
+    add_case_args(p)
     p.add_argument("--label-channels", type=int, default=0,
                    help="random label channels of the R + P dims (0 = exact q.k token scores, "
                         "the server's MLA default: no MLA calibration exists yet)")
@@ -658,12 +654,7 @@ def run_benchmark(args: argparse.Namespace, shape: MLAShape,
         "model_config": os.path.relpath(args.model_config, REPO),
         "shape": asdict(shape),
         "dtype": "bfloat16",
-        "method": params.method,
-        "budget": params.budget,
-        "block_size": bs,
-        "sink": params.sink,
-        "window": params.window,
-        "candidate_blocks": params.candidate_blocks,
+        **selection_config(params),
         "label_channels": args.label_channels or "none (exact q.k over R + P)",
         "triton": {"page_size": 1, "base_max_kv_splits": args.triton_max_kv_splits,
                    "max_kv_splits": max_kv_splits, "sm_count": sm_count, "use_pdl": use_pdl,
@@ -755,15 +746,8 @@ def write_rows(path: str, result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
-    batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(1, max(1, len(batches)), figsize=(5 * max(1, len(batches)), 4),
-                             squeeze=False)
+    plt, fig, axes, batches = operator_figure(rows)
     series = [("ours", "ours (sparse)", "o-"), ("triton", "SGLang Triton MLA (full)", "^-"),
               ("flashinfer_mla", "FlashInfer MLA (full)", "s-"),
               ("floor", "ours: bytes floor", "k--")]
@@ -774,14 +758,7 @@ def plot(result: dict[str, Any], path: str) -> None:
             if pts:
                 ax.plot(*zip(*pts), style, label=label)
         ctx = sorted({r["context"] for r in rows if r["batch"] == batch})
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(ctx, [f"{c // 1024}k" if c >= 1024 else str(c) for c in ctx])
-        ax.minorticks_off()
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("ms per layer")
-        ax.set_title(f"batch {batch}")
-        ax.grid(True, which="both", alpha=0.3)
+        style_context_axis(ax, ctx, batch)
     axes[0][0].legend(fontsize=8)
     cfg = result["mla_config"]
     shape = cfg["shape"]
