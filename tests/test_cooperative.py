@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from sglang_ext.memory_tier.cooperative import (
+    AttendScratch,
     CostModel,
     HostAttentionWorkers,
     PriorityScheduler,
     attend_blocks,
+    attend_items,
     calibrate_cpu_cost,
     cooperative_attention,
     split_selection,
@@ -47,6 +49,27 @@ def kv():
 def random_selection(gen, k=8):
     return torch.stack([torch.stack([torch.randperm(BLOCKS, generator=gen)[:k]
                                      for _ in range(HKV)]) for _ in range(B)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_items_into_reused_buffers_gives_the_same_bits(kv, dtype):
+    """The CPU workers' path (AttendScratch: gathers and scores in reused buffers) computes
+    exactly what the fresh-tensor path does, across calls that grow and shrink the buffers and
+    with padded (-1) blocks and an item that attends nothing."""
+    q, k, v, gen = kv
+    k, v = k.to(dtype), v.to(dtype)
+    scratch = AttendScratch()
+    for m in (5, 12, 3):
+        n = 4
+        q_items = q.reshape(-1, G, D)[:n].to(dtype)
+        heads = torch.randint(0, HKV, (n,), generator=gen)
+        blocks = torch.randint(0, BLOCKS, (n, m), generator=gen)
+        blocks[0, -1] = -1
+        blocks[1] = -1
+        want = attend_items(q_items, k, v, heads, blocks, PS, SCALING)
+        got = attend_items(q_items, k, v, heads, blocks, PS, SCALING, scratch=scratch)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.isneginf(got[1][1]).all() and (got[0][1] == 0).all()
 
 
 def test_merge_of_disjoint_parts_equals_attention_over_the_union(kv):
