@@ -2,7 +2,7 @@
 # One self-contained run on the GPU host (see ../shared/gpu/README.md): unpack the SGLang bundle,
 # install this repo, then the named steps. Results land in $OUT (or benchmarks/results).
 # Usage: bash benchmarks/device/run.sh COMMIT STEP...
-#   steps: env gputests clock operator mla-operator tier fluxion transfer server e2e soak capacity
+#   steps: env fi-warmup gputests clock operator mla-operator tier fluxion transfer server e2e soak capacity
 #   locality tp2-greedy (tp2-greedy: on nvidia-h200-x2)
 # Wheels in .whl/ (carried, git-ignored; e.g. prometheus_client for --enable-metrics, which the
 # bundle lacks) are installed first.
@@ -116,7 +116,31 @@ for step in "$@"; do
         --greedy-check 8 --greedy-output-len 96 --results-name tp2_greedy_h200 \
         --extra "--mem-fraction-static 0.8 --cuda-graph-max-bs 8 --max-running-requests 8" \
         || status=1 ;;
+    fi-warmup)
+      # FlashInfer JIT-compiles its kernels at a server's first start (~5 min on a fresh
+      # machine). The cache (~/.cache/flashinfer) outlives the call while the machine is held,
+      # so FlashInfer servers of a later call (flashinfer, sglang_ext_*_fi) start in ~1.5 min.
+      # A small FlashInfer server of the same model starts in the background beside the next
+      # steps (it takes 0.3 of the GPU's memory: only beside light steps such as gputests,
+      # clock, operator, mla-operator) and stops once healthy; the script waits for it.
+      (
+        setsid python3 -m sglang.launch_server --model-path .gpu/models/qwen3-8b-shape \
+          --tokenizer-path .gpu/models/tokenizer --load-format dummy --sampling-backend pytorch \
+          --grammar-backend none --attention-backend flashinfer --context-length 8192 \
+          --mem-fraction-static 0.3 --cuda-graph-max-bs 16 --cuda-graph-backend-prefill disabled \
+          --host 127.0.0.1 --port 30123 > "$OUT/fi_warmup.log" 2>&1 &
+        server=$!
+        for _ in $(seq 160); do
+          sleep 3
+          python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:30123/health_generate', timeout=5)" \
+            2>/dev/null && { echo "fi-warmup: healthy"; break; }
+          kill -0 $server 2>/dev/null || { echo "fi-warmup: server exited"; break; }
+        done
+        kill -- -$server 2>/dev/null; wait $server 2>/dev/null
+      ) &
+      warmup=$! ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
 done
+[ -n "${warmup:-}" ] && wait "$warmup"
 exit $status
