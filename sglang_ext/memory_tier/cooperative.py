@@ -46,9 +46,9 @@ def block_token_index(blocks: Tensor, page_size: int) -> tuple[Tensor, Tensor]:
 
 class AttendScratch:
     """One CPU thread's reusable buffers for :func:`attend_items`. A task's gathered K/V are
-    megabytes; fresh tensors of that size are mapped and page-faulted on every task (on a
-    2-core host, one thread, 16 items of 64 blocks of 16 tokens: 15.5 ms per task with fresh
-    tensors, 5.0 ms with reused ones, the same bits)."""
+    megabytes; fresh tensors of that size are mapped and page-faulted on every task (a one-off
+    diagnosis on a 2-core host, one thread, 16 items of 64 blocks of 16 tokens: 15.5 ms per
+    task with fresh tensors, 5.0 ms with reused ones, the same bits)."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype], Tensor] = {}
