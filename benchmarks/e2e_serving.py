@@ -8,7 +8,9 @@ writes rows to ``OUT/e2e_h200.json`` plus a plot. Example (on the device machine
         --num-prompts 8 --configs flashinfer sglang_ext
 
 Each configuration is one server start (~90 s with decode CUDA graphs); the prefill CUDA graph is
-disabled to save ~80 s per start.
+disabled to save ~80 s per start. Several ``--input-len`` values reuse each server: one
+bench_serving run per length, each row's server statistics read from its own span of the server
+log (the tier's cumulative counters as differences).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ sys.path.insert(0, REPO)
 from benchmarks import results_io  # noqa: E402
 from benchmarks.results_io import git_commit, gpu_name, write_results  # noqa: E402
 from benchmarks.soak import TIE_MARGIN, mismatch  # noqa: E402
+from sglang_ext.config import LOCALITY_SHARE, locality_blocks_for_share  # noqa: E402
 
 CONFIGS: dict[str, list[str]] = {
     "flashinfer": ["--attention-backend", "flashinfer"],
@@ -61,13 +64,14 @@ CONFIGS: dict[str, list[str]] = {
 # the tier with FlashInfer's prefill (SGLang's triton extend takes ~40 s per 128k prompt)
 CONFIGS["sglang_ext_tier_fi"] = CONFIGS["sglang_ext_tier"] + ["--sparse-dense-backend", "flashinfer"]
 
-# The tier with NOSA's locality constraint at the same budget: half of the selected blocks
-# query-agnostic (k_e = 61 of the 123 blocks of 2048 - 16 - 64 tokens, key_norm score) and the
-# block filter sized for the query-aware half (2 x 62 blocks), so the working set is E_t (which
-# persists) plus the query-aware candidates.
+# The tier with NOSA's locality constraint at the same budget: the accuracy suite's share of the
+# selected blocks query-agnostic (sglang_ext/config.py: LOCALITY_SHARE; of the 123
+# middle blocks of 2048 - 16 - 64 tokens), key_norm score, and the automatic block filter, sized
+# for the query-aware rest; the working set is E_t (which persists) plus those candidates.
 CONFIGS["sglang_ext_tier_locality"] = CONFIGS["sglang_ext_tier"] + [
-    "--sparse-locality-blocks", "61", "--sparse-eviction-score", "key_norm",
-    "--sparse-candidate-blocks", "124"]
+    "--sparse-locality-blocks",
+    str(locality_blocks_for_share(LOCALITY_SHARE, budget=2048, sink=16, window=64, block_size=16)),
+    "--sparse-eviction-score", "key_norm"]
 
 
 def launch(model: str, tokenizer: str, args: list[str], port: int, context_len: int,
@@ -140,6 +144,33 @@ def server_log_stats(log_text: str) -> dict[str, int]:
         "server_prefill_tokens": sum(int(m) for m in re.findall(r"#new-token: (\d+)", log_text)),
         "server_decode_log_lines": log_text.count("Decode batch"),
     }
+
+
+# The tier stats line's cumulative counters (the rest are gauges or ratios of these).
+TIER_COUNTERS = ("wanted_blocks", "transferred_blocks", "transfer_s", "exposed_transfer_s",
+                 "decode_steps", "transferred_bytes")
+
+
+def span_log_stats(log_text: str, start: int, end: int) -> dict[str, Any]:
+    """``server_log_stats`` of one benchmark's span ``[start, end)`` of a server log that served
+    several: the start-up facts (capacity, KV sizes) from the whole log, the tier counters as
+    the difference from the last tier stats line before the span (ratios recomputed)."""
+    stats = server_log_stats(log_text[start:end])
+    whole = server_log_stats(log_text[:end])
+    for key in ("max_total_num_tokens", "device_kv_gb", "host_store_gb"):
+        stats[key] = whole[key]
+    before = server_log_stats(log_text[:start])["tier_stats"] if start else None
+    tier = stats["tier_stats"]
+    if tier and before:
+        tier = {**tier, **{k: tier[k] - before.get(k, 0) for k in TIER_COUNTERS if k in tier}}
+        if "wanted_blocks" in tier and "transferred_blocks" in tier:
+            tier["hit_rate"] = 1 - tier["transferred_blocks"] / tier["wanted_blocks"] \
+                if tier["wanted_blocks"] else 1.0
+        if "transfer_s" in tier and "exposed_transfer_s" in tier:
+            tier["hidden_fraction"] = 1 - tier["exposed_transfer_s"] / tier["transfer_s"] \
+                if tier["transfer_s"] else None
+        stats["tier_stats"] = tier
+    return stats
 
 
 def capacity_vs_limit(rows: list[dict[str, Any]], baseline: str = "flashinfer") -> None:
@@ -227,13 +258,14 @@ def tail(path: str, n: int = 40) -> str:
 
 
 def bench(port: int, tokenizer: str, input_len: int, output_len: int, num_prompts: int,
-          concurrency: int, out_file: str) -> dict[str, Any]:
+          concurrency: int, out_file: str, warmup_requests: int = 1) -> dict[str, Any]:
     cmd = [
         sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--port", str(port),
         "--host", "127.0.0.1", "--tokenizer", tokenizer, "--dataset-name", "random-ids",
         "--random-input-len", str(input_len), "--random-output-len", str(output_len),
         "--random-range-ratio", "1.0", "--num-prompts", str(num_prompts),
         "--max-concurrency", str(concurrency), "--output-file", out_file,
+        "--warmup-requests", str(warmup_requests),
     ]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
@@ -343,16 +375,41 @@ def ours_flags(name: str, block_size: int, label_config: str | None) -> list[str
     return flags
 
 
+def finish_rows(rows: list[dict[str, Any]], results_path: str, meta: dict[str, Any],
+                append: bool, plot_path: Optional[str] = None) -> None:
+    """The fields that compare rows (capacity and speedups against the same input length's
+    flashinfer row, locality against two_level), then the results file and, with
+    ``plot_path``, the plot."""
+    for n in sorted({r["input_len"] for r in rows}):
+        same = [r for r in rows if r["input_len"] == n]
+        capacity_vs_limit(same)
+        base = next((r for r in same if r["backend"] == "flashinfer"), None)
+        for r in same:
+            r["speedup_vs_flashinfer"] = r["output_tok_s"] / base["output_tok_s"] \
+                if base and base["output_tok_s"] and r["output_tok_s"] is not None else None
+            r["decode_speedup_vs_flashinfer"] = r["decode_tok_s"] / base["decode_tok_s"] \
+                if base and base.get("decode_tok_s") and r.get("decode_tok_s") else None
+    all_rows = merge_rows(results_path, rows) if append else rows
+    locality_vs_two_level(all_rows)
+    write_results(results_path, all_rows, meta)
+    if plot_path:
+        plot(all_rows, plot_path, f"{meta['gpu']}, dummy weights, bench_serving random-ids")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=os.path.join(REPO, ".gpu/models/qwen3-8b-shape"))
     p.add_argument("--tokenizer", default=os.path.join(REPO, ".gpu/models/tokenizer"))
     p.add_argument("--configs", nargs="+", default=["flashinfer", "sglang_ext"], choices=sorted(CONFIGS))
-    p.add_argument("--input-len", type=int, default=32768)
+    p.add_argument("--input-len", type=int, nargs="+", default=[32768],
+                   help="prompt lengths; several reuse each server (one bench_serving run each)")
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--num-prompts", type=int, default=8,
                    help="bench_serving prompts; 0 = no benchmark (only --greedy-check)")
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--warmup-requests", type=int, default=1,
+                   help="bench_serving's warmup requests per run (each one a full-length prefill; "
+                        "0 saves ~40 s per 128k run where TTFT is not what is measured)")
     p.add_argument("--extra", default="", help="extra server flags for every config")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks/results"))
     p.add_argument("--port", type=int, default=30000)
@@ -387,28 +444,42 @@ def main() -> int:
     args = p.parse_args()
     if args.collect and not args.gpu:
         p.error("--collect needs --gpu (the name of the GPU the run was on)")
+    if args.collect and len(args.input_len) > 1:
+        p.error("--collect reads one run's files: give one --input-len")
 
     os.makedirs(args.out, exist_ok=True)
     label_config = synthetic_label_config(args.model, args.label_channels, args.out) \
         if args.label_channels else None
-    rows = []
-    context_len = int(args.input_len * 1.25) + args.output_len + 64
+    rows: list[dict[str, Any]] = []
+    lengths = args.input_len
+    context_len = int(max(lengths) * 1.25) + args.output_len + 64
     extra = args.extra.split() + (["--tp", str(args.tp)] if args.tp > 1 else [])
     greedy_ref = None
+    results_path = os.path.join(args.out, f"{args.results_name}.json")
+    meta = {"commit": git_commit(), "gpu": args.gpu or gpu_name(),
+            "model": os.path.basename(args.model),
+            # patches/model_loader.py: "scaled" makes greedy comparisons decisive
+            "dummy_weights": os.environ.get("SGLANG_EXT_DUMMY_WEIGHTS", "sglang")}
+    if args.collect:
+        meta["collected"] = "rows built from the run's bench/server files (--collect)"
     for name in args.configs:
         log_path = os.path.join(args.out, f"server_{name}.log")
-        bench_path = os.path.join(args.out, f"bench_{name}.jsonl")
         greedy_path = os.path.join(args.out, f"greedy_{name}.json")
+        bench_paths = {n: os.path.join(args.out, f"bench_{name}.jsonl" if len(lengths) == 1
+                                       else f"bench_{name}_{n}.jsonl") for n in lengths}
         flags = ours_flags(name, args.block_size, label_config)
+        results: dict[int, dict[str, Any]] = {}
+        spans: dict[int, tuple[int, int]] = {}  # each length's span of the server log
         if args.collect:
+            [n] = lengths
             if not args.num_prompts:
-                result = {"completed": 0}
-            elif not os.path.exists(bench_path):
-                print(f"{name}: no {bench_path}, left out", flush=True)
+                results[n] = {"completed": 0}
+            elif not os.path.exists(bench_paths[n]):
+                print(f"{name}: no {bench_paths[n]}, left out", flush=True)
                 continue
             else:
-                with open(bench_path) as f:
-                    result = json.loads(f.readlines()[-1])
+                with open(bench_paths[n]) as f:
+                    results[n] = json.loads(f.readlines()[-1])
         else:
             proc = launch(args.model, args.tokenizer, flags, args.port, context_len,
                           log_path, extra)
@@ -420,9 +491,15 @@ def main() -> int:
                     with open(greedy_path, "w") as f:
                         json.dump(greedy_outputs(args.port, args.greedy_check,
                                                  args.greedy_prompt_len, args.greedy_output_len), f)
-                result = bench(args.port, args.tokenizer, args.input_len, args.output_len,
-                               args.num_prompts, args.concurrency, bench_path) \
-                    if args.num_prompts else {"completed": 0}
+                for i, n in enumerate(lengths):
+                    # a span starts where the last ended (the first at the log's start, so
+                    # start-up errors count) and the last one ends where the log does
+                    start = 0 if i == 0 else os.path.getsize(log_path)
+                    results[n] = bench(args.port, args.tokenizer, n, args.output_len,
+                                       args.num_prompts, args.concurrency, bench_paths[n],
+                                       args.warmup_requests) \
+                        if args.num_prompts else {"completed": 0}
+                    spans[n] = (start, os.path.getsize(log_path))
             finally:
                 stop(proc)
         greedy: dict[str, Any] = {}
@@ -434,39 +511,34 @@ def main() -> int:
             else:
                 greedy = {"greedy_reference": greedy_ref[0],
                           **compare_greedy(greedy_ref[1], outputs, args.tie_margin)}
-        stats = server_log_stats(open(log_path, errors="replace").read())
-        rows.append({
-            "input_len": args.input_len, "output_len": args.output_len, "backend": name,
-            "tp": args.tp, "model": os.path.basename(args.model), "commit": git_commit(),
-            "config": " ".join(flags + extra),
-            "concurrency": args.concurrency, "completed": result.get("completed"),
-            "output_tok_s": result.get("output_throughput"),
-            "median_tpot_ms": result.get("median_tpot_ms"),
-            "median_itl_ms": result.get("median_itl_ms"),
-            "median_ttft_ms": result.get("median_ttft_ms"),
-            "max_concurrent_requests": result.get("max_concurrent_requests"),
-            **stats, **greedy, "context": args.input_len,
-            **tier_traffic(flags, stats.get("tier_stats")),
-        })
-        print(json.dumps(rows[-1]), flush=True)
-    capacity_vs_limit(rows)
-    base = next((r for r in rows if r["backend"] == "flashinfer"), None)
-    for r in rows:
-        r["speedup_vs_flashinfer"] = (r["output_tok_s"] / base["output_tok_s"]) if base and base["output_tok_s"] else None
-        r["decode_speedup_vs_flashinfer"] = (r["decode_tok_s"] / base["decode_tok_s"]) \
-            if base and base.get("decode_tok_s") and r.get("decode_tok_s") else None
-    meta = {"commit": git_commit(), "gpu": args.gpu or gpu_name(),
-            "model": os.path.basename(args.model),
-            # patches/model_loader.py: "scaled" makes greedy comparisons decisive
-            "dummy_weights": os.environ.get("SGLANG_EXT_DUMMY_WEIGHTS", "sglang")}
-    if args.collect:
-        meta["collected"] = "rows built from the run's bench/server files (--collect)"
-    results_path = os.path.join(args.out, f"{args.results_name}.json")
-    all_rows = merge_rows(results_path, rows) if args.append else rows
-    locality_vs_two_level(all_rows)
-    write_results(results_path, all_rows, meta)
-    plot(all_rows, os.path.join(args.out, f"{args.results_name}.png"),
-         f"{meta['gpu']}, dummy weights, bench_serving random-ids")
+        log_text = open(log_path, errors="replace").read()
+        for i, n in enumerate(lengths):
+            if n not in results:
+                continue
+            start, end = spans.get(n, (0, len(log_text)))
+            if i == len(lengths) - 1:
+                end = len(log_text)  # the shutdown's lines too
+            stats = span_log_stats(log_text, start, end) if len(lengths) > 1 \
+                else server_log_stats(log_text)
+            result = results[n]
+            rows.append({
+                "input_len": n, "output_len": args.output_len, "backend": name,
+                "tp": args.tp, "model": os.path.basename(args.model), "commit": git_commit(),
+                "config": " ".join(flags + extra),
+                "concurrency": args.concurrency, "completed": result.get("completed"),
+                "output_tok_s": result.get("output_throughput"),
+                "median_tpot_ms": result.get("median_tpot_ms"),
+                "median_itl_ms": result.get("median_itl_ms"),
+                "median_ttft_ms": result.get("median_ttft_ms"),
+                "max_concurrent_requests": result.get("max_concurrent_requests"),
+                **stats, **(greedy if i == 0 else {}), "context": n,
+                **tier_traffic(flags, stats.get("tier_stats")),
+            })
+            print(json.dumps(rows[-1]), flush=True)
+        # what has been measured so far survives a run cut by the time box
+        finish_rows(rows, results_path, meta, args.append)
+    finish_rows(rows, results_path, meta, args.append, plot_path=os.path.join(
+        args.out, f"{args.results_name}.png"))
     print(f"{'backend':12} {'in':>7} {'out':>5} {'tok/s':>8} {'TPOT ms':>8} {'TTFT ms':>9} {'x FI':>6}")
     for r in rows:
         sp = r["speedup_vs_flashinfer"]
@@ -479,7 +551,7 @@ def main() -> int:
                   f"{r['greedy_near_tie']} differ at a near tie, mismatches {r['greedy_mismatches']}"
                   f" ({r['greedy_decisive_tokens']} decisive tokens)")
     ok = all(r["completed"] == args.num_prompts and r["server_errors"] == 0
-             and r["server_prefill_tokens"] >= 0.9 * args.num_prompts * args.input_len
+             and r["server_prefill_tokens"] >= 0.9 * args.num_prompts * r["input_len"]
              and not r.get("greedy_mismatches")
              # a comparison where every token was a near tie tested nothing
              and r.get("greedy_decisive_tokens", 1) > 0 for r in rows)

@@ -123,3 +123,100 @@ def test_decode_throughput_and_running_requests_come_from_the_decode_log_lines()
     assert stats["server_max_running"] == 5
     assert stats["decode_tok_s"] == 183.25
     assert server_log_stats("no decode yet")["decode_tok_s"] is None
+
+
+def _tier_line(wanted: int, moved: int, steps: int, transfer_s: float, exposed_s: float) -> str:
+    return ("[t] sglang_ext tier stats: " + json.dumps({
+        "wanted_blocks": wanted, "transferred_blocks": moved, "hit_rate": 1 - moved / wanted,
+        "transfer_s": transfer_s, "exposed_transfer_s": exposed_s,
+        "hidden_fraction": 1 - exposed_s / transfer_s, "work_pages_free": 7,
+        "decode_steps": steps, "transferred_bytes": moved * 100}) + "\n")
+
+
+def test_a_span_of_a_reused_servers_log_gets_its_own_counters() -> None:
+    """Several input lengths on one server: each row's tier counters are the difference from
+    the last stats line before its span (ratios recomputed), its decode and error counts are
+    its span's, and the start-up facts come from the whole log."""
+    from benchmarks.e2e_serving import span_log_stats
+
+    startup = "[t] max_total_num_tokens=5000\n[t] host store 48.00 GB (async mode)\n"
+    first = (_tier_line(100, 50, 16, 2.0, 1.0)
+             + "[t] Decode batch, #running-req: 4, gen throughput (token/s): 90.00\n")
+    second = ("[t] Prefill batch, #new-seq: 1, #new-token: 64, #running-req: 0\n"
+              + _tier_line(300, 60, 48, 3.0, 1.1)
+              + "[t] Decode batch, #running-req: 2, gen throughput (token/s): 70.00\n"
+              + "[t] Traceback (most recent call last):\n")
+    log = startup + first + second
+    a = span_log_stats(log, 0, len(startup + first))
+    b = span_log_stats(log, len(startup + first), len(log))
+    assert a["tier_stats"]["transferred_bytes"] == 5000 and a["server_errors"] == 0
+    assert (a["decode_tok_s"], a["server_max_running"]) == (90.0, 4)
+    tb = b["tier_stats"]
+    assert (tb["wanted_blocks"], tb["transferred_blocks"], tb["decode_steps"]) == (200, 10, 32)
+    assert tb["transferred_bytes"] == 1000 and tb["work_pages_free"] == 7
+    assert abs(tb["hit_rate"] - 0.95) < 1e-12 and abs(tb["hidden_fraction"] - 0.9) < 1e-12
+    assert (b["decode_tok_s"], b["server_max_running"], b["server_errors"]) == (70.0, 2, 1)
+    assert b["server_prefill_tokens"] == 64
+    assert (b["max_total_num_tokens"], b["host_store_gb"]) == (5000, 48.0)
+
+
+def test_several_input_lengths_reuse_one_server_per_config(tmp_path, monkeypatch) -> None:
+    """The driver starts each configuration once, runs bench_serving once per length on it,
+    and writes one row per (config, length), each with its own span's tier traffic; the
+    results file is written after every configuration (a run cut short keeps what it has)."""
+    import os
+    import sys
+
+    import benchmarks.e2e_serving as E
+
+    launched, benched = [], []
+
+    class Proc:
+        def poll(self):
+            return None
+
+    launched_names: list[str] = []
+
+    def launch(model, tokenizer, flags, port, context_len, log_path, extra):
+        launched.append((flags[flags.index("--attention-backend") + 1], context_len))
+        launched_names.append(os.path.basename(log_path)[len("server_"):-len(".log")])
+        with open(log_path, "w") as f:
+            f.write("[t] max_total_num_tokens=5000\n[t] host store 48.00 GB (async mode)\n")
+        return Proc()
+
+    moved: dict[str, int] = {}  # cumulative transferred blocks per server, like the tier's
+
+    def bench(port, tokenizer, n, output_len, prompts, concurrency, out_file, warmup):
+        benched.append((n, warmup))
+        log = tmp_path / f"server_{launched_names[-1]}.log"
+        # the locality server moves a quarter of the plain tier's blocks
+        moved[log.name] = moved.get(log.name, 0) + (n // 4 if "locality" in log.name else n)
+        runs = len(benched) - 2 * (len(launched) - 1)  # this server's bench runs so far
+        with open(log, "a") as f:
+            f.write(f"[t] Prefill batch, #new-seq: 1, #new-token: {n * prompts}, #running-req: 0\n")
+            f.write(_tier_line(100_000 * runs, moved[log.name], 16 * runs, 1.0 * runs, 0.5 * runs))
+        return {"completed": prompts, "output_throughput": 10.0, "median_tpot_ms": 5.0,
+                "median_itl_ms": 5.0, "median_ttft_ms": 100.0, "max_concurrent_requests": 2}
+
+    monkeypatch.setattr(E, "launch", launch)
+    monkeypatch.setattr(E, "bench", bench)
+    monkeypatch.setattr(E, "wait_healthy", lambda *a: None)
+    monkeypatch.setattr(E, "stop", lambda proc: None)
+    monkeypatch.setattr(E, "plot", lambda rows, path, title: open(path, "w").close())
+    monkeypatch.setattr(sys, "argv", [
+        "e2e_serving.py", "--out", str(tmp_path), "--configs", "sglang_ext_tier",
+        "sglang_ext_tier_locality", "--input-len", "1000", "4000", "--num-prompts", "2",
+        "--concurrency", "2", "--warmup-requests", "0", "--label-channels", "0",
+        "--model", str(tmp_path), "--results-name", "locality_test"])
+    assert E.main() == 0
+    assert launched == [("sglang_ext", int(4000 * 1.25) + 256 + 64)] * 2
+    assert benched == [(1000, 0), (4000, 0)] * 2
+    rows = json.loads((tmp_path / "locality_test.json").read_text())["rows"]
+    assert [(r["backend"], r["input_len"]) for r in rows] == [
+        ("sglang_ext_tier", 1000), ("sglang_ext_tier", 4000),
+        ("sglang_ext_tier_locality", 1000), ("sglang_ext_tier_locality", 4000)]
+    # each span's own traffic: the second length's counters are differences
+    assert [r["tier_stats"]["transferred_blocks"] for r in rows] == [1000, 4000, 250, 1000]
+    assert all(r["tier_stats"]["decode_steps"] == 16 for r in rows)
+    assert [r["locality"] for r in rows] == ["off", "off", "on", "on"]
+    assert [r.get("bytes_vs_two_level") for r in rows] == [None, None, 0.25, 0.25]

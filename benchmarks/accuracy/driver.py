@@ -306,6 +306,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "tasks": args.tasks, "contexts": args.contexts, "samples": args.samples,
             "methods": args.methods, "budgets": args.budgets, "block_size": args.block_size,
             "sink_max": args.sink, "window_max": args.window, "candidate_blocks": "auto",
+            "locality_share": R.LOCALITY_SHARE,
             "servers": len(urls), "samples_in_flight_per_server": args.parallel,
             "server": server_desc, "attention_backend": backend,
             "kv_pool_tokens": R.kv_pool_tokens(info),

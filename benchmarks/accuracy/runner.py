@@ -30,23 +30,26 @@ from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 from tqdm import tqdm
 
 from benchmarks.accuracy import tasks as T
+from sglang_ext.config import LOCALITY_SHARE, locality_blocks_for_share
 
 METHODS = ("quest", "ds", "two_level")
 # two_level variants (Fluxion), each a method name in the rows; "head_policy" needs servers
 # started with --sparse-head-policy (the driver's --head-policy).
 # "locality" / "locality_learned" are two_level under NOSA's locality constraint with k_e =
-# HALF_MIDDLE: half of the budget's selected blocks are query-agnostic (the training-free
-# decayed-attention score, or the trained eviction head: servers started with
-# --sparse-eviction-head, the driver's --eviction-head), the other half stays query-aware, so
-# γ(t) >= ~1/2 while a needle can still be retrieved by the query.
-HALF_MIDDLE = "half_middle"
+# LOCALITY_SHARE (sglang_ext/config.py) of the budget's middle blocks query-agnostic: the
+# training-free key_norm score (the one the batched CUDA-graph decode runs), or the trained
+# eviction head (servers started with --sparse-eviction-head, the driver's --eviction-head). The
+# rest stays query-aware, with the automatic block filter sized for it. The GPU locality run
+# (benchmarks/e2e_serving.py, sglang_ext_tier_locality) uses the same share, so its bytes per
+# step and these rows describe one setting; γ(t) >= ~LOCALITY_SHARE.
+SHARE_OF_MIDDLE = "share_of_middle"
 VARIANTS = {
     "output_aware": {"method": "two_level", "scoring": "output_aware"},
     "head_policy": {"method": "two_level", "head_policy": True},
-    "locality": {"method": "two_level", "head_policy": False, "locality_blocks": HALF_MIDDLE,
-                 "eviction_score": "attention"},
+    "locality": {"method": "two_level", "head_policy": False, "locality_blocks": SHARE_OF_MIDDLE,
+                 "eviction_score": "key_norm"},
     "locality_learned": {"method": "two_level", "head_policy": False,
-                         "locality_blocks": HALF_MIDDLE, "eviction_score": "learned"},
+                         "locality_blocks": SHARE_OF_MIDDLE, "eviction_score": "learned"},
 }
 ALL_METHODS = METHODS + tuple(VARIANTS)
 DENSE = "dense"
@@ -143,8 +146,9 @@ def sparse_settings(methods: Sequence[str], budgets: Sequence[int], block_size: 
         for b in budgets:
             s, w = shrunk_sink_window(b, sink, window)
             sparse = {**how, "budget": b, "block_size": block_size, "sink": s, "window": w}
-            if sparse.get("locality_blocks") == HALF_MIDDLE:
-                sparse["locality_blocks"] = (b - s - w) // block_size // 2
+            if sparse.get("locality_blocks") == SHARE_OF_MIDDLE:
+                sparse["locality_blocks"] = locality_blocks_for_share(LOCALITY_SHARE, b, s, w,
+                                                                      block_size)
             out.append(Setting(m, b, {"sparse": sparse}))
     return out
 

@@ -93,19 +93,22 @@ for step in "$@"; do
           --chunked-prefill-size 32768" \
         || status=1 ;;
     locality)
-      # NOSA's locality constraint on vs off, CPU tier with every page on the host, same budget:
-      # host->GPU bytes per decode step (tier counters) and throughput, 4 x 64k prompts
-      # (~2 x 3 min). LOCALITY_CONTEXTS="131072" in a second call adds the 128k rows (--append).
-      for ctx in ${LOCALITY_CONTEXTS:-65536}; do
-        SGLANG_EXT_TIER_HOST_GB=${LOCALITY_HOST_GB:-80} SGLANG_EXT_TIER_GPU_TOKENS=16 \
-        SGLANG_EXT_TIER_LOG_EVERY=16 \
-        python3 benchmarks/e2e_serving.py --out "$OUT" \
-          --configs sglang_ext_tier sglang_ext_tier_locality --input-len "$ctx" \
-          --output-len 256 --num-prompts 4 --concurrency 4 --append \
-          --results-name locality_h200 \
-          --extra "--mem-fraction-static 0.8 --cuda-graph-max-bs 8 --max-running-requests 8" \
-          || status=1
-      done ;;
+      # NOSA's locality constraint on vs off (sglang_ext_tier_locality: LOCALITY_SHARE of the
+      # selected blocks query-agnostic, as in the accuracy suite), CPU tier with every page on
+      # the host, same budget: host->GPU bytes per decode step (tier counters, each length's
+      # span of the server log) and throughput. Each server serves both lengths (~2 x 4 min on
+      # a fresh machine: 2 prompts each, no bench warm-up, whose 128k prefill alone takes
+      # ~40 s). Decisive dummy weights as in the soak (SGLang's random ones attend uniformly).
+      SGLANG_EXT_DUMMY_WEIGHTS=${SGLANG_EXT_DUMMY_WEIGHTS:-scaled} \
+      SGLANG_EXT_TIER_HOST_GB=${LOCALITY_HOST_GB:-64} SGLANG_EXT_TIER_GPU_TOKENS=16 \
+      SGLANG_EXT_TIER_LOG_EVERY=16 \
+      python3 benchmarks/e2e_serving.py --out "$OUT" \
+        --configs sglang_ext_tier sglang_ext_tier_locality \
+        --input-len ${LOCALITY_CONTEXTS:-65536 131072} --output-len 192 \
+        --num-prompts "${LOCALITY_PROMPTS:-2}" --concurrency "${LOCALITY_PROMPTS:-2}" \
+        --warmup-requests 0 --append --results-name locality_h200 \
+        --extra "--mem-fraction-static 0.8 --cuda-graph-max-bs 8 --max-running-requests 8" \
+        || status=1 ;;
     tp2-greedy)
       # TP=2 (nvidia-h200-x2): greedy outputs of ours with every page on the host tier, budget >=
       # context, against triton full attention at --tp 2; flashinfer full attention is the
