@@ -29,8 +29,11 @@ area** (:class:`WorkArea`), in ``page_size`` pages:
 Per request the decode reads keys through ``WorkingSetTier.page_maps`` (block -> device page,
 per layer and kv head): GPU-homed blocks map to themselves, sink/window blocks to their pages,
 selected host blocks to working-set slots. The working area is sized at start-up for the
-worst case (the longest prompt staged at once plus a working set per running request), so a
-request SGLang admits never runs out of device pages. Every exit of a request (finish, abort,
+worst case (the longest prompt staged at once plus a working set per running request), and
+SGLang admits a prefill only while the working area can stage it on top of what the requests
+already admitted will take (:meth:`TieredKVPool.staging_room`, patches/scheduler.py): a second
+long prompt whose prefix is a radix hit on host pages waits in the queue until the first one
+decodes, instead of exhausting the area. Every exit of a request (finish, abort,
 retract) goes through ``ReqToTokenPool.free``, which calls :meth:`TieredKVPool.release_row`.
 """
 
@@ -356,6 +359,33 @@ class TieredKVPool(MHATokenToKVPool):
         for lp in state.staged.values():
             self._unstage_one(lp)
         state.staged.clear()
+
+    # ------------------------------------------------------------- admission
+
+    @property
+    def pages_per_request(self) -> int:
+        """Working-area pages a decoding request holds: sink, ring and working-set slots."""
+        lay = self.layout
+        return lay.sink_pages + lay.ring_pages + lay.num_slots
+
+    def staging_room(self, chunked_remaining_tokens: int = 0) -> int:
+        """Working-area pages a new prefill may still claim: the free ones less what requests
+        already admitted will take: a working set for each row whose prefill has not turned
+        into decoding yet (:meth:`start_decoding` allocates it) and staging pages for the rest
+        of the prompt being chunk-prefilled (``chunked_remaining_tokens``)."""
+        ps = self.layout.page_size
+        pending = sum(1 for st in self.rows.values() if not st.decoding)
+        return (self.work.available - pending * self.pages_per_request
+                - (-(-chunked_remaining_tokens // ps) + 1 if chunked_remaining_tokens else 0))
+
+    def staging_need(self, prefix_slots: Tensor, extend_tokens: int) -> int:
+        """Working-area pages a request about to be admitted will take: staging for its
+        host-homed prefix (a radix hit, loaded at once by :meth:`prepare_extend`) and for the
+        tokens it will prefill, then its working set."""
+        ps, gp = self.layout.page_size, self.layout.gpu_pages
+        prefix_pages = set((prefix_slots[::ps] // ps).tolist()) if len(prefix_slots) else set()
+        host_prefix = sum(1 for lp in prefix_pages if lp >= gp and lp not in self._staged)
+        return host_prefix + -(-extend_tokens // ps) + 1 + self.pages_per_request
 
     # -------------------------------------------------------------- decode side
 

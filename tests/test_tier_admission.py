@@ -1,0 +1,121 @@
+"""The CPU tier's prefill admission (patches/scheduler.py, ``TieredKVPool.staging_room``).
+
+The working area is sized for one whole prompt staged at once plus a working set per running
+request. A second request whose prefix is a radix hit on host pages stages that whole prefix at
+its first chunk; admitted while the first long prompt is still staged, it left no room for the
+first one's working set (the H200 locality run at 128k crashed the scheduler that way). These
+tests replay that sequence on a small pool: without the admission check it exhausts the area,
+with it the second request waits until the first decodes, then fits.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang.srt.managers.schedule_policy import AddReqResult
+
+from sglang_ext.memory_tier import tiered_pool
+from sglang_ext.memory_tier.tiered_pool import TieredKVPool, plan_layout
+from sglang_ext.patches import scheduler as sched
+
+PS = 4
+PROMPT = 64  # tokens of each long prompt (16 pages)
+SLOTS = 6  # working-set slots per request
+
+
+def _pool() -> tuple[TieredKVPool, torch.Tensor]:
+    layout = plan_layout(device_tokens=0, host_tokens=1024, page_size=PS, max_running_requests=2,
+                         max_prefill_tokens=PROMPT + PS, num_slots=SLOTS, sink=PS, window=2 * PS,
+                         summary_tokens_per_token=1 / PS, gpu_tokens=PS)  # all KV on the host
+    pool = TieredKVPool(PS, torch.bfloat16, 1, 8, 1, "cpu", False, layout=layout, mode="sync")
+    req_to_token = torch.zeros((3, 2 * PROMPT), dtype=torch.int32)
+    # row 1: request A's pages; row 2: request B's, whose first 48 tokens are a radix hit on
+    # pages an earlier request left on the host
+    req_to_token[1] = torch.arange(PS, PS + 2 * PROMPT, dtype=torch.int32)
+    req_to_token[2] = torch.arange(PS + 2 * PROMPT, PS + 4 * PROMPT, dtype=torch.int32)
+    pool.bind(req_to_token)
+    return pool, req_to_token
+
+
+def _req(r2t: torch.Tensor, row: int, prefix: int) -> SimpleNamespace:
+    return SimpleNamespace(prefix_indices=r2t[row, :prefix].long(),
+                           origin_input_ids=list(range(PROMPT)), output_ids=[])
+
+
+class _Adder:
+    """The part of SGLang's PrefillAdder the hook touches; its own add_one_req admits all."""
+
+    def __init__(self) -> None:
+        self.can_run_list: list = []
+
+    def add_one_req(self, req, has_chunked_req=False, truncation_align_size=None):
+        self.can_run_list.append(req)
+        return AddReqResult.CONTINUE
+
+
+def _admit(adder: _Adder, req: SimpleNamespace) -> AddReqResult:
+    return sched._around_add_one_req(_Adder.add_one_req, adder, req, has_chunked_req=False,
+                                     truncation_align_size=None)
+
+
+def test_without_admission_a_host_prefix_staged_beside_a_long_prompt_exhausts_the_area():
+    """The H200 sequence: A's last chunk and B's first one (its 48-token host prefix staged at
+    once) share a prefill batch; at the next one A turns to decoding and finds no room for its
+    working set."""
+    pool, r2t = _pool()
+    pool.prepare_extend(r2t, [1, 2], [PROMPT, PROMPT], [0, 48])
+    with pytest.raises(RuntimeError, match="working area exhausted"):
+        pool.prepare_extend(r2t, [], [], [])  # A (not in this batch) starts decoding
+
+
+def test_admission_holds_the_second_prompt_until_the_first_decodes(monkeypatch):
+    pool, r2t = _pool()
+    monkeypatch.setattr(tiered_pool, "_active", pool)
+    a, b = _req(r2t, 1, 0), _req(r2t, 2, 48)
+    # in one round, A is admitted on the idle pool and B is not: the adder counts A's claim
+    adder = _Adder()
+    assert _admit(adder, a) == AddReqResult.CONTINUE
+    assert getattr(adder, sched._CLAIMED) == pool.staging_need(a.prefix_indices, PROMPT)
+    assert _admit(adder, b) == AddReqResult.OTHER and adder.can_run_list == [a]
+    # while A's prompt is staged and it has not decoded, B still waits; refusing touches nothing
+    pool.prepare_extend(r2t, [1], [PROMPT], [0])
+    free_before = pool.work.available
+    assert _admit(_Adder(), b) == AddReqResult.OTHER
+    assert pool.work.available == free_before
+    # A decodes (its staging is dropped): B fits, and everything it takes is there
+    pool.start_decoding(r2t, 1)
+    assert _admit(_Adder(), b) == AddReqResult.CONTINUE
+    pool.prepare_extend(r2t, [2], [PROMPT], [48])
+    pool.start_decoding(r2t, 2)
+    for row in (1, 2):
+        pool.release_row(row, r2t)
+    pool.check_idle()
+
+
+def test_the_chunk_prefilled_requests_rest_is_reserved(monkeypatch):
+    """A request mid-way through a chunked prefill will stage the rest of its prompt: that is
+    reserved, so a short request only fits beside it while the rest leaves room."""
+    pool, r2t = _pool()
+    monkeypatch.setattr(tiered_pool, "_active", pool)
+    chunked = _req(r2t, 1, 16)  # 16 of its 64 tokens prefilled
+    pool.prepare_extend(r2t, [1], [16], [0])
+    room = pool.staging_room()
+    assert pool.staging_room(PROMPT - 16) == room - (PROMPT - 16) // PS - 1
+    monkeypatch.setattr(sched, "_chunked_req", chunked)
+    short = SimpleNamespace(prefix_indices=r2t[2, :0].long(), origin_input_ids=[0] * 4,
+                            output_ids=[])
+    need = pool.staging_need(short.prefix_indices, 4)
+    assert need <= pool.staging_room(PROMPT - 16)
+    assert _admit(_Adder(), short) == AddReqResult.CONTINUE
+    long = _req(r2t, 2, 0)
+    assert pool.staging_need(long.prefix_indices, PROMPT) > pool.staging_room(PROMPT - 16)
+    assert _admit(_Adder(), long) == AddReqResult.OTHER
+
+
+def test_the_hook_is_inert_without_a_tier(monkeypatch):
+    monkeypatch.setattr(tiered_pool, "_active", None)
+    adder = _Adder()
+    req = SimpleNamespace(prefix_indices=torch.zeros(0), origin_input_ids=[1], output_ids=[])
+    assert _admit(adder, req) == AddReqResult.CONTINUE and not hasattr(adder, sched._CLAIMED)
