@@ -343,7 +343,8 @@ def ours_flags(name: str, block_size: int, label_config: str | None) -> list[str
     return flags
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (a function of its own so that CPU tests parse run.sh's calls)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=os.path.join(REPO, ".gpu/models/qwen3-8b-shape"))
     p.add_argument("--tokenizer", default=os.path.join(REPO, ".gpu/models/tokenizer"))
@@ -384,6 +385,11 @@ def main() -> int:
     p.add_argument("--label-channels", type=int, default=16,
                    help="ours: random label channels per kv head (dummy weights have nothing to "
                         "calibrate); 0 = none, token scores then use every channel")
+    return p
+
+
+def main() -> int:
+    p = build_parser()
     args = p.parse_args()
     if args.collect and not args.gpu:
         p.error("--collect needs --gpu (the name of the GPU the run was on)")
