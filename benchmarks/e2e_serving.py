@@ -396,7 +396,8 @@ def finish_rows(rows: list[dict[str, Any]], results_path: str, meta: dict[str, A
         plot(all_rows, plot_path, f"{meta['gpu']}, dummy weights, bench_serving random-ids")
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (a function of its own so that CPU tests parse run.sh's calls)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=os.path.join(REPO, ".gpu/models/qwen3-8b-shape"))
     p.add_argument("--tokenizer", default=os.path.join(REPO, ".gpu/models/tokenizer"))
@@ -441,6 +442,11 @@ def main() -> int:
     p.add_argument("--label-channels", type=int, default=16,
                    help="ours: random label channels per kv head (dummy weights have nothing to "
                         "calibrate); 0 = none, token scores then use every channel")
+    return p
+
+
+def main() -> int:
+    p = build_parser()
     args = p.parse_args()
     if args.collect and not args.gpu:
         p.error("--collect needs --gpu (the name of the GPU the run was on)")

@@ -8,14 +8,20 @@ pool; they are allocated after it, so ``_derive_pool_sizes`` shrinks SGLang's to
 share of the per-token bytes (unless ``--max-total-tokens`` fixes it): the pool plus our buffers
 then take what SGLang profiled for the KV alone.
 
-Two AROUND hooks; the rest is inert unless the tier is on:
+Three AROUND hooks; the rest is inert unless the tier is on:
 
 * ``_derive_pool_sizes``: SGLang profiled ``D`` device KV slots; the tier splits them into
   GPU-homed slots ``G`` and its working area ``W`` and adds ``H`` host-homed slots, so the
   allocator, the scheduler's ``max_total_num_tokens`` and the invariant checker all see the
   logical capacity ``G + H`` (consistently: the allocator class is SGLang's own);
 * ``_build_mha_kv_pool``: builds :class:`TieredKVPool` (``G + W`` device rows) instead of the
-  plain pool, with every argument SGLang passes.
+  plain pool, with every argument SGLang passes;
+* ``_build_mla_kv_pool`` (MLA models' latent pool): builds :class:`TieredMLAKVPool` with the
+  arguments that factory gives ``MLATokenToKVPool`` (it takes no pool class to swap in).
+
+Sizes are per layout (selection/mla.py's ``kv_layout``): an MLA token is one latent row of
+``R + P`` values per layer (one "kv head" on every rank, no separate V), an MHA token
+``Hkv / tp`` heads of K and V.
 """
 
 from __future__ import annotations
@@ -102,15 +108,19 @@ def _around_derive_pool_sizes(original: Callable, self: Any, *, config: Any) -> 
     from sglang_ext.attention.request_overrides import selection_params
     from sglang_ext.kernels.sparse_decode import _selection_plan
     from sglang_ext.memory_tier.tiered_pool import plan_layout
+    from sglang_ext.selection.mla import is_mla_model, kv_layout
 
     global _layout
     mc = self.model_config
     from sglang.srt.mem_cache.kv_cache_configurator import get_parallel
 
-    heads = mc.get_num_kv_heads(get_parallel().attn_tp_size)
+    layout = kv_layout(mc)
+    # An MLA latent row is replicated on every TP rank; MHA kv heads are split among them.
+    heads = 1 if is_mla_model(mc) else mc.get_num_kv_heads(get_parallel().attn_tp_size)
+    row_dims = layout.head_dim + layout.stored_v_dims
     layers = self.layer_info.num_effective_layers
     elem = self.kv_cache_dtype.itemsize if hasattr(self.kv_cache_dtype, "itemsize") else 2
-    bytes_per_token = layers * heads * (mc.head_dim + mc.v_head_dim) * elem
+    bytes_per_token = layers * heads * row_dims * elem
     host_tokens = host_tokens_per_rank(cfg, bytes_per_token)
     params = selection_params(cfg)
     _, k_blocks, _ = _selection_plan(params, 1 << 30)
@@ -122,7 +132,9 @@ def _around_derive_pool_sizes(original: Callable, self: Any, *, config: Any) -> 
             device_tokens=sizes.max_total_num_tokens, host_tokens=host_tokens,
             page_size=cfg.block_size, max_running_requests=sizes.max_running_requests,
             max_prefill_tokens=max_prefill, num_slots=max(k_blocks, 1), sink=cfg.sink,
-            window=cfg.window, summary_tokens_per_token=1.0 / cfg.block_size,
+            window=cfg.window,
+            # key min + max per block (head_dim values each) over a token's K + V row
+            summary_tokens_per_token=2.0 * layout.head_dim / row_dims / cfg.block_size,
             gpu_tokens=cfg.tier_gpu_tokens,
         )
     except ValueError as e:
@@ -149,9 +161,30 @@ def _around_build_mha_kv_pool(original: Callable, self: Any, *, max_total_num_to
                     mha_pool_class=build, quant_method=quant_method)
 
 
+def _around_build_mla_kv_pool(original: Callable, self: Any, *,
+                              max_total_num_tokens: int) -> Any:
+    cfg = _tier_config(self)
+    if cfg is None or _layout is None:
+        return original(self, max_total_num_tokens=max_total_num_tokens)
+    from sglang_ext.memory_tier.tiered_pool import TieredMLAKVPool
+
+    # SGLang's factory builds MLATokenToKVPool itself; these are the arguments it passes.
+    mc = self.model_config
+    return TieredMLAKVPool(
+        page_size=self.server_args.page_size, dtype=self.kv_cache_dtype,
+        kv_lora_rank=mc.kv_lora_rank, qk_rope_head_dim=mc.qk_rope_head_dim,
+        layer_num=self.layer_info.num_effective_layers, device=self.device,
+        enable_memory_saver=self.server_args.enable_memory_saver,
+        start_layer=self.layer_info.start_layer, end_layer=self.layer_info.end_layer,
+        layout=_layout, mode=cfg.tier, timing=cfg.tier_timing == "on",
+    )
+
+
 HOOKS = (
     ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._derive_pool_sizes",
      _around_derive_pool_sizes, "AROUND"),
     ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mha_kv_pool",
      _around_build_mha_kv_pool, "AROUND"),
+    ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mla_kv_pool",
+     _around_build_mla_kv_pool, "AROUND"),
 )

@@ -5,6 +5,7 @@ locality run's host->GPU bytes per decode step."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from benchmarks.e2e_serving import (
@@ -220,3 +221,54 @@ def test_several_input_lengths_reuse_one_server_per_config(tmp_path, monkeypatch
     assert all(r["tier_stats"]["decode_steps"] == 16 for r in rows)
     assert [r["locality"] for r in rows] == ["off", "off", "on", "on"]
     assert [r.get("bytes_vs_two_level") for r in rows] == [None, None, 0.25, 0.25]
+
+
+def _run_sh_call(step: str) -> list[str]:
+    """The e2e_serving.py arguments of a run.sh step, as bash expands them (defaults of the
+    step's environment variables, OUT=out)."""
+    import re
+    import subprocess
+
+    text = (Path(__file__).resolve().parent.parent / "benchmarks/device/run.sh").read_text()
+    body = re.search(rf"^    {re.escape(step)}\)\n(.*?);;", text, re.S | re.M).group(1)
+    call = re.search(r"python3 benchmarks/e2e_serving.py(.*?)\|\| status=1", body, re.S).group(1)
+    out = subprocess.run(["bash", "-c", f'OUT=out; eval "set -- $1"; printf "%s\\0" "$@"', "_",
+                          call.replace("\\\n", " ")], capture_output=True, text=True, check=True)
+    return out.stdout.split("\0")[:-1]
+
+
+def test_mla_e2e_step_parses_and_its_configs_start_on_the_mla_model() -> None:
+    """run.sh mla-e2e (GPU only): its call parses, names the DeepSeek-V2-Lite-shaped config
+    (an MLA model, whose rows are then named by that folder), merges into e2e_h200.json, and
+    each configuration's flags pass our start-up checks for that model (the CPU tier included)."""
+    import argparse
+    from types import SimpleNamespace
+
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from benchmarks.e2e_serving import build_parser, ours_flags
+    from sglang_ext import config as sparse_config
+    from sglang_ext.patches.server_args import check_mla_model
+    from sglang_ext.selection.mla import is_mla_model
+
+    args = build_parser().parse_args(_run_sh_call("mla-e2e"))
+    repo = Path(__file__).resolve().parent.parent
+    assert Path(args.model) == Path("benchmarks/models/deepseek-v2-lite-shape")
+    assert os.path.basename(args.model) == "deepseek-v2-lite-shape"  # the rows' "model"
+    assert args.results_name == "e2e_h200" and args.append and args.input_len == [32768]
+    assert args.label_channels == 0  # no MHA-shaped synthetic labels for the latent row
+    assert "sglang_ext_tier" in args.configs and {"flashinfer", "triton"} & set(args.configs)
+    mc = ModelConfig(str(repo / args.model), trust_remote_code=False, dtype="bfloat16")
+    assert is_mla_model(mc)
+    for name in args.configs:
+        flags = ours_flags(name, args.block_size, None)
+        if "sglang_ext" not in name:
+            continue
+        if "--sparse-tier-host-gb" in flags:  # run.sh's size is the GPU host's, not this one's
+            flags[flags.index("--sparse-tier-host-gb") + 1] = "1"
+        parser = argparse.ArgumentParser()
+        sparse_config.add_cli_args(parser)
+        cfg = sparse_config.from_namespace(parser.parse_known_args(flags)[0])
+        assert cfg.tier == "async" or name != "sglang_ext_tier"
+        check_mla_model(SimpleNamespace(get_model_config=lambda: mc, device="cuda",
+                                        kv_cache_dtype="auto"), cfg)

@@ -56,12 +56,28 @@ def test_startup_takes_mla_models_with_what_works(mla_config):
     from sglang_ext.patches.server_args import check_mla_model
 
     for values in ({}, {"method": "quest", "budget": 1024}, {"method": "ds"},
-                   {"impl": "reference"}):
+                   {"impl": "reference"}, {"tier": "async"}, {"tier": "sync", "method": "quest"}):
         check_mla_model(_server_args(mla_config), build_config(**values))
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp4_e2m1"])
+def test_startup_refuses_the_tier_on_quantised_mla_rows_in_one_line(mla_config, kv_cache_dtype):
+    """The tier's MLA pool moves 16-bit latent rows (8-bit ones are stored as bytes, FP4 ones
+    come from a pool factory the tier does not hook)."""
+    from sglang_ext.config import build_config
+    from sglang_ext.patches.server_args import check_mla_model
+
+    args = _server_args(mla_config)
+    args.kv_cache_dtype = kv_cache_dtype
+    check_mla_model(args, build_config())  # without the tier: fine
+    with pytest.raises(SystemExit) as e:
+        check_mla_model(args, build_config(tier="async"))
+    message = str(e.value)
+    assert message.startswith("sglang_ext: --sparse-tier does not support MLA models with "
+                              f"--kv-cache-dtype {kv_cache_dtype}") and "\n" not in message
+
+
 @pytest.mark.parametrize("values, flag", [
-    ({"tier": "async"}, "--sparse-tier"),
     ({"guard_every": 8}, "--sparse-guard-every"),
     ({"scoring": "output_aware"}, "--sparse-scoring output_aware"),
     ({"head_policy": __file__}, "--sparse-head-policy"),

@@ -77,3 +77,48 @@ def test_mla_pool_shrinks_by_its_latent_row_share():
                                       _configurator("cuda", model_config=mla), config=None)
     share = (2 * 576 / 32 + 16) / 576
     assert sizes.max_total_num_tokens == int(profiled / (1 + share)) // 32 * 32
+
+
+def test_tier_sizes_mla_by_the_latent_row_and_builds_the_tiered_mla_pool(monkeypatch):
+    """With --sparse-tier on an MLA model, host tokens are counted in latent rows (R + P values
+    per layer, one head on every rank, no V), the summaries' device share is 2 (R + P) / block
+    per row, and the _build_mla_kv_pool hook builds TieredMLAKVPool over the layout's G + W
+    device rows (SGLang's factory builds MLATokenToKVPool itself: no pool class to pass)."""
+    from sglang.srt.configs.model_config import AttentionArch
+
+    from sglang_ext.memory_tier.tiered_pool import TieredMLAKVPool
+    from sglang_ext.patches import kv_cache_configurator as hooks
+
+    monkeypatch.setattr(hooks, "_layout", None)  # the process's layout, restored afterwards
+    rank, rope, layers, block = 32, 16, 2, 16
+    mla = SimpleNamespace(attention_arch=AttentionArch.MLA, kv_lora_rank=rank,
+                          qk_rope_head_dim=rope, head_dim=40, v_head_dim=16, context_len=512)
+    server_args = SimpleNamespace(
+        attention_backend="sglang_ext", decode_attention_backend=None,
+        prefill_attention_backend=None, max_total_tokens=None, device="cpu", page_size=block,
+        max_prefill_tokens=256, chunked_prefill_size=256, enable_memory_saver=False)
+    host_gb = 0.001
+    attach_config(server_args, build_config(method="quest", block_size=block, tier="async",
+                                            tier_host_gb=host_gb, budget=256))
+    configurator = SimpleNamespace(
+        server_args=server_args, is_hybrid_swa=False, model_config=mla,
+        kv_cache_dtype=torch.bfloat16, device="cpu",
+        layer_info=SimpleNamespace(num_effective_layers=layers, start_layer=0, end_layer=layers))
+    profiled = 40_000
+    sizes = _around_derive_pool_sizes(lambda self, *, config: _sizes(profiled), configurator,
+                                      config=None)
+    layout = hooks._layout
+    row_bytes = layers * (rank + rope) * 2  # one latent row per layer, bf16
+    assert layout.host_tokens == int(host_gb * 1e9) // row_bytes // block * block
+    assert sizes.max_total_num_tokens == layout.gpu_tokens + layout.host_tokens
+    r = 2 / block  # summaries (min + max of R + P dims per block) per (R + P)-value row
+    assert layout.gpu_tokens <= (profiled * (1 + r) - layout.work_tokens - layout.host_tokens * r) / (1 + r)
+
+    def plain(self, *, max_total_num_tokens):  # the hook must not build the plain pool
+        raise AssertionError("built the untiered MLA pool")
+
+    pool = hooks._around_build_mla_kv_pool(plain, configurator,
+                                           max_total_num_tokens=sizes.max_total_num_tokens)
+    assert isinstance(pool, TieredMLAKVPool) and pool.logical_size == sizes.max_total_num_tokens
+    assert pool.kv_buffer[0].shape == (layout.device_tokens + block, 1, rank + rope)
+    assert pool.host.v is None and pool.host.k[0].shape == (1, layout.host_tokens, rank + rope)

@@ -131,7 +131,8 @@ def shrunk_sink_window(budget: int, sink: int = DEFAULT_SINK,
 
 
 def sparse_settings(methods: Sequence[str], budgets: Sequence[int], block_size: int,
-                    sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW) -> list[Setting]:
+                    sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW,
+                    locality_share: float = LOCALITY_SHARE) -> list[Setting]:
     """Dense first, then every (method, budget). Sink and window shrink for small budgets
     (sink <= budget/8, window <= budget/4) so that budget 64 is valid and still leaves most of
     it to the selected tokens."""
@@ -147,7 +148,7 @@ def sparse_settings(methods: Sequence[str], budgets: Sequence[int], block_size: 
             s, w = shrunk_sink_window(b, sink, window)
             sparse = {**how, "budget": b, "block_size": block_size, "sink": s, "window": w}
             if sparse.get("locality_blocks") == SHARE_OF_MIDDLE:
-                sparse["locality_blocks"] = locality_blocks_for_share(LOCALITY_SHARE, b, s, w,
+                sparse["locality_blocks"] = locality_blocks_for_share(locality_share, b, s, w,
                                                                       block_size)
             out.append(Setting(m, b, {"sparse": sparse}))
     return out

@@ -3,7 +3,7 @@
 # install this repo, then the named steps. Results land in $OUT (or benchmarks/results).
 # Usage: bash benchmarks/device/run.sh COMMIT STEP...
 #   steps: env fi-warmup gputests clock operator mla-operator tier fluxion transfer server e2e soak capacity
-#   locality tp2-greedy (tp2-greedy: on nvidia-h200-x2)
+#   locality tp2-greedy mla-e2e (tp2-greedy: on nvidia-h200-x2)
 # Wheels in .whl/ (carried, git-ignored; e.g. prometheus_client for --enable-metrics, which the
 # bundle lacks) are installed first.
 set -uo pipefail
@@ -117,6 +117,22 @@ for step in "$@"; do
       python3 benchmarks/e2e_serving.py --out "$OUT" --model .gpu/models/qwen3-14b-shape \
         --configs triton flashinfer sglang_ext_tier --tp 2 --input-len 65536 --num-prompts 0 \
         --greedy-check 8 --greedy-output-len 96 --results-name tp2_greedy_h200 \
+        --extra "--mem-fraction-static 0.8 --cuda-graph-max-bs 8 --max-running-requests 8" \
+        || status=1 ;;
+    mla-e2e)
+      # Issue 9: an MLA model (DeepSeek-V2-Lite's shapes, dummy weights; the config is in the
+      # repo) at 32k: SGLang's full MLA attention (its flashinfer backend picks FlashInfer's MLA
+      # kernels for an MLA model; MLA_E2E_CONFIGS="triton ..." for its Triton MLA decode) vs ours
+      # with the CPU tier (TieredMLAKVPool). No label channels: synthetic_label_config writes MHA
+      # shapes and MLA has no calibration yet, so token scores use all 576 latent dims. Rows
+      # are merged (--append) into e2e_h200.json beside the MHA rows, "model":
+      # "deepseek-v2-lite-shape" (tests/test_e2e_serving_results.py parses this call).
+      SGLANG_EXT_TIER_HOST_GB=${MLA_E2E_HOST_GB:-64} \
+      python3 benchmarks/e2e_serving.py --out "$OUT" \
+        --model benchmarks/models/deepseek-v2-lite-shape --tokenizer .gpu/models/tokenizer \
+        --configs ${MLA_E2E_CONFIGS:-flashinfer sglang_ext_tier} --label-channels 0 \
+        --input-len 32768 --output-len "${MLA_E2E_OUTPUT:-256}" \
+        --num-prompts "${MLA_E2E_PROMPTS:-8}" --concurrency "${MLA_E2E_PROMPTS:-8}" --append \
         --extra "--mem-fraction-static 0.8 --cuda-graph-max-bs 8 --max-running-requests 8" \
         || status=1 ;;
     fi-warmup)

@@ -31,7 +31,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang_ext.attention import request_overrides
 from sglang_ext.attention.request_overrides import RequestSparsity
 from sglang_ext.config import SparseConfig
-from sglang_ext.memory_tier.tiered_pool import TieredKVPool
+from sglang_ext.memory_tier.tiered_pool import TieredPool
 from sglang_ext.selection import select_token_mask, sparse_attention
 from sglang_ext.selection.calibrate import load_label_config
 from sglang_ext.selection.guard import (
@@ -157,8 +157,8 @@ class SparseDecodeBackend(AttentionBackend):
         self.labels: Optional[list[torch.Tensor]] = None  # per layer, see _allocate_label_cache
         self._workspaces: list[Any] = []
         # The CPU tier (--sparse-tier): KV addressed through its pool's homes and page maps.
-        self.tiered: Optional[TieredKVPool] = (
-            self.token_to_kv_pool if isinstance(self.token_to_kv_pool, TieredKVPool) else None
+        self.tiered: Optional[TieredPool] = (
+            self.token_to_kv_pool if isinstance(self.token_to_kv_pool, TieredPool) else None
         )
         self._tier_verify = self.tiered is not None and self.tiered.verify >= 2
         self._tier_steps = 0
@@ -178,11 +178,8 @@ class SparseDecodeBackend(AttentionBackend):
 
             self._locality_metrics = LocalityMetrics()
         self._tier_metrics = None
-        self._tier_page_bytes = 0  # K + V bytes of one (layer, kv head) block the tier moves
-        if self.tiered is not None:
-            pool = self.tiered
-            self._tier_page_bytes = pool.layout.page_size * (pool.head_dim + pool.v_head_dim) \
-                * pool.k_buffer[0].element_size()
+        # K + V bytes of one (layer, kv head) block the tier moves
+        self._tier_page_bytes = self.tiered.tier_page_bytes if self.tiered is not None else 0
         if self.tiered is not None and getattr(model_runner.server_args, "enable_metrics", False):
             from sglang_ext.memory_tier.metrics import TierMetrics
 
@@ -741,9 +738,12 @@ class SparseDecodeBackend(AttentionBackend):
         scores into their pages' (key norms, or the eviction head of the values)."""
         if self.kv_lora_rank is not None:
             # The rows stored: an MLA extend's k is then the per-head MHA key (qk_nope + rope
-            # dims of each query head), not the latent row the pool holds.
-            keys = self.token_to_kv_pool.get_key_buffer(layer.layer_id).index_select(
-                0, forward_batch.out_cache_loc)
+            # dims of each query head), not the latent row the pool holds. With the CPU tier
+            # they are at the device rows of the logical slots (staging/ring/GPU-homed pages).
+            rows = forward_batch.out_cache_loc
+            if self.tiered is not None:
+                rows = self.tiered.translate(rows)
+            keys = self.token_to_kv_pool.get_key_buffer(layer.layer_id).index_select(0, rows)
         else:
             keys = k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim)
         self.summaries.update(self._layer_index(layer), keys, forward_batch.out_cache_loc)

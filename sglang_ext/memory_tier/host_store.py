@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -13,7 +15,11 @@ class HostKVStore:
     """K and V of every logical KV slot, per layer ``[Hkv, num_slots, D]`` in host memory
     (pinned when CUDA is available): block ``p`` of kv head ``h`` is the contiguous run
     ``[h, p*page_size : (p+1)*page_size]`` (4 KiB for 16 tokens x 128 dims x bf16), which is
-    what a per-head transfer moves."""
+    what a per-head transfer moves.
+
+    ``v_head_dim == 0`` stores K alone (``v`` is None): an MLA pool's one latent row per token
+    (``R + P`` dims, one "kv head") is both its key and, as the view ``[..., :R]``, its value,
+    so copying the row moves V too."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
                  num_slots: int, page_size: int, dtype: torch.dtype) -> None:
@@ -22,30 +28,37 @@ class HostKVStore:
         self.page_size = page_size
         self.num_slots = num_slots
         self.k = [pinned_empty((num_kv_heads, num_slots, head_dim), dtype) for _ in range(num_layers)]
-        self.v = [pinned_empty((num_kv_heads, num_slots, v_head_dim), dtype) for _ in range(num_layers)]
+        self.v: Optional[list[Tensor]] = None if v_head_dim == 0 else [
+            pinned_empty((num_kv_heads, num_slots, v_head_dim), dtype) for _ in range(num_layers)]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.k + (self.v or []))
 
-    def write(self, layer: int, loc: Tensor, k: Tensor, v: Tensor) -> None:
+    def buffers(self, layer: int) -> list[Tensor]:
+        """The layer's stored buffers: ``[K, V]``, or ``[K]`` when V is K's view."""
+        return [self.k[layer]] + ([] if self.v is None else [self.v[layer]])
+
+    def write(self, layer: int, loc: Tensor, k: Tensor, v: Optional[Tensor] = None) -> None:
         """Write-through of tokens just stored in the device pool: ``k``/``v`` ``[n, Hkv, D]``
-        at logical slots ``loc`` (on the device of ``k``; ``-1`` skips)."""
-        if k.device.type == "cpu":
-            loc_ = loc.long()
-            keep = loc_ >= 0
-            self.k[layer][:, loc_[keep]] = k[keep].transpose(0, 1).to(self.k[layer].dtype)
-            self.v[layer][:, loc_[keep]] = v[keep].transpose(0, 1).to(self.v[layer].dtype)
-            return
-        scatter_to_host(k.contiguous(), self.k[layer], loc)
-        scatter_to_host(v.contiguous(), self.v[layer], loc)
+        at logical slots ``loc`` (on the device of ``k``; ``-1`` skips). ``v`` is ignored when
+        the store keeps no V."""
+        for host, x in zip(self.buffers(layer), (k, v)):
+            if x.device.type == "cpu":
+                loc_ = loc.long()
+                keep = loc_ >= 0
+                host[:, loc_[keep]] = x[keep].transpose(0, 1).to(host.dtype)
+            else:
+                scatter_to_host(x.contiguous(), host, loc)
 
     def load(self, layer: int, heads: Tensor, src_pages: Tensor, dst_pages: Tensor,
-             k_buffer: Tensor, v_buffer: Tensor, max_programs: int | None = None) -> None:
+             k_buffer: Tensor, v_buffer: Optional[Tensor] = None,
+             max_programs: int | None = None) -> None:
         """Copy blocks ``src_pages`` (host pages = logical pages) of kv heads ``heads`` into
         device pages ``dst_pages`` of the layer's pool buffers (``-1`` skips), K and V in one
         launch; ``max_programs`` caps the SMs the copy occupies (to leave the rest to kernels
-        running beside it)."""
+        running beside it). Without a stored V, ``v_buffer`` (a view of ``k_buffer``'s rows
+        for an MLA pool) is ignored: copying K's rows filled it."""
         if k_buffer.device.type == "cpu":
             keep = src_pages >= 0
             h, s, d = heads[keep].long(), src_pages[keep].long(), dst_pages[keep].long()
@@ -53,13 +66,16 @@ class HostKVStore:
             src_tok = (s[:, None] * self.page_size + offs).reshape(-1)
             dst_tok = (d[:, None] * self.page_size + offs).reshape(-1)
             hh = h[:, None].expand(-1, self.page_size).reshape(-1)
-            k_buffer[dst_tok, hh] = self.k[layer][hh, src_tok].to(k_buffer.dtype)
-            v_buffer[dst_tok, hh] = self.v[layer][hh, src_tok].to(v_buffer.dtype)
+            for host, dev in zip(self.buffers(layer), (k_buffer, v_buffer)):
+                dev[dst_tok, hh] = host[hh, src_tok].to(dev.dtype)
             return
+        has_v = self.v is not None
         gather_host_blocks(self.k[layer], k_buffer, heads, src_pages, dst_pages, self.page_size,
-                           host_v=self.v[layer], dev_v=v_buffer, max_programs=max_programs)
+                           host_v=self.v[layer] if has_v else None,
+                           dev_v=v_buffer if has_v else None, max_programs=max_programs)
 
-    def read_tokens(self, layer: int, slots: Tensor) -> tuple[Tensor, Tensor]:
-        """``[n, Hkv, D]`` K and V of logical slots (tests, debugging)."""
+    def read_tokens(self, layer: int, slots: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        """``[n, Hkv, D]`` K and V (None when not stored) of logical slots (tests, debugging)."""
         s = slots.long().cpu()
-        return self.k[layer][:, s].transpose(0, 1), self.v[layer][:, s].transpose(0, 1)
+        k = self.k[layer][:, s].transpose(0, 1)
+        return k, None if self.v is None else self.v[layer][:, s].transpose(0, 1)

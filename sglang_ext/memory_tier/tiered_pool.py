@@ -47,7 +47,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, unwrap_write_loc
 
 from sglang_ext.config import tier_ring_pages
 from sglang_ext.memory_tier.host_store import HostKVStore
@@ -55,10 +55,10 @@ from sglang_ext.memory_tier.working_set import WorkingSetTier
 
 logger = logging.getLogger(__name__)
 
-_active: Optional["TieredKVPool"] = None  # this process's tiered pool, once bound
+_active: Optional["TieredPool"] = None  # this process's tiered pool, once bound
 
 
-def active_pool() -> Optional["TieredKVPool"]:
+def active_pool() -> Optional["TieredPool"]:
     return _active
 
 
@@ -168,16 +168,53 @@ class RowState:
     decoding: bool = False
 
 
-class TieredKVPool(MHATokenToKVPool):
-    """``MHATokenToKVPool`` over ``G + W`` device rows, addressed by ``G + H`` logical slots.
+class TieredPool:
+    """The tier over one of SGLang's KV pools: ``G + W`` device rows addressed by ``G + H``
+    logical slots. Mixed in before the pool class (:class:`TieredKVPool` for MHA/GQA pools,
+    :class:`TieredMLAKVPool` for MLA's latent pool); what differs between layouts is only
+    which device buffers hold a layer's rows (:meth:`tier_buffers`: K and V, or the one latent
+    buffer whose ``[..., :R]`` view is V) and their shapes (:meth:`tier_shape`).
 
-    Built by the ``KVCacheConfigurator._build_mha_kv_pool`` hook (patches/kv_cache_configurator.py)
-    when ``--sparse-tier`` is on; the allocator beside it has ``G + H`` logical slots."""
+    Built by the ``KVCacheConfigurator`` pool hooks (patches/kv_cache_configurator.py) when
+    ``--sparse-tier`` is on; the allocator beside it has ``G + H`` logical slots."""
+
+    # Set by the pool class (SGLang's KVCache).
+    layer_num: int
+    start_layer: int
+    dtype: torch.dtype
+    device: Any
 
     def __init__(self, *args: Any, layout: TierLayout, mode: str,
                  gather_programs: Optional[int] = None, timing: bool = False,
                  **kwargs: Any) -> None:
+        # The pool class's own arguments (SGLang's factory passes them), at G + W device rows.
         super().__init__(layout.device_tokens, *args, **kwargs)
+        self._init_tier(layout, mode, gather_programs, timing, *self.tier_shape())
+
+    def tier_shape(self) -> tuple[int, int, int]:
+        """``(kv heads, key dims, value dims)`` of the rows the tier stores; value dims 0 where
+        V is a view of K (nothing of its own to store or copy)."""
+        raise NotImplementedError
+
+    def tier_buffers(self, layer: int) -> tuple[Tensor, Optional[Tensor]]:
+        """Device K and V buffers ``[rows, heads, dims]`` of layer index ``layer`` that the tier
+        fills; V None where it is a view of K (nothing of its own to copy)."""
+        raise NotImplementedError
+
+    def values_of(self, keys: Tensor) -> Tensor:
+        """The values of key rows, for pools that store no V of their own."""
+        raise NotImplementedError
+
+    @property
+    def tier_page_bytes(self) -> int:
+        """Bytes one (layer, kv head) block the tier moves: K and V rows of a page."""
+        return self.layout.page_size * (self.tier_key_dim + self.tier_value_dim) \
+            * self.tier_buffers(0)[0].element_size()
+
+    def _init_tier(self, layout: TierLayout, mode: str, gather_programs: Optional[int],
+                   timing: bool, num_kv_heads: int, key_dim: int, value_dim: int) -> None:
+        """The tier's state, once the pool's device buffers exist."""
+        self.tier_heads, self.tier_key_dim, self.tier_value_dim = num_kv_heads, key_dim, value_dim
         self.layout = layout
         self.mode = mode
         self.timing = timing
@@ -185,8 +222,8 @@ class TieredKVPool(MHATokenToKVPool):
         ps = layout.page_size
         self.logical_size = layout.logical_tokens
         self.host = HostKVStore(
-            self.layer_num, self.head_num, self.head_dim, self.v_head_dim,
-            max(layout.host_tokens, ps), ps, self.dtype,
+            self.layer_num, num_kv_heads, key_dim, value_dim, max(layout.host_tokens, ps), ps,
+            self.dtype,
         )
         # Device page of a staged/ring host-homed logical page (-1: none): translates writes.
         self.dev_page_of_lp = torch.full((layout.logical_tokens // ps + 1,), -1,
@@ -218,7 +255,7 @@ class TieredKVPool(MHATokenToKVPool):
         self.dev_req_to_token = torch.zeros((rows, max_context), **i32)
         self.max_blocks = -(-max_context // ps)
         self.tier = WorkingSetTier(
-            num_layers=self.layer_num, num_kv_heads=self.head_num, max_rows=rows,
+            num_layers=self.layer_num, num_kv_heads=self.tier_heads, max_rows=rows,
             max_blocks=self.max_blocks, num_slots=self.layout.num_slots, page_size=ps,
             max_batch=rows, host=self.host, device=dev, mode=self.mode,
             gather_programs=self.gather_programs, host_page_offset=self.layout.gpu_pages,
@@ -248,13 +285,20 @@ class TieredKVPool(MHATokenToKVPool):
         loc = loc.long()
         return torch.where(loc >= g, loc - g, torch.full_like(loc, -1))
 
-    def set_kv_buffer(self, layer: Any, loc_info: Any, cache_k: Tensor, cache_v: Tensor,
+    def set_kv_buffer(self, layer: Any, loc_info: Any, cache_k: Tensor, cache_v: Any,
                       *args: Any, **kwargs: Any) -> None:
         loc, _, _ = unwrap_write_loc(loc_info)
         super().set_kv_buffer(layer, self.translate(loc), cache_k, cache_v, *args, **kwargs)
         layer_id = kwargs.get("layer_id_override") or layer.layer_id
-        k = cache_k.reshape(-1, self.head_num, self.head_dim).to(self.dtype)
-        v = cache_v.reshape(-1, self.head_num, self.v_head_dim).to(self.dtype)
+        self._write_through(layer_id, loc, cache_k, cache_v)
+
+    def _write_through(self, layer_id: int, loc: Tensor, cache_k: Tensor,
+                       cache_v: Optional[Tensor]) -> None:
+        """The host copy of rows just written at logical slots ``loc`` (host-homed ones)."""
+        heads = self.tier_heads
+        k = cache_k.reshape(-1, heads, self.tier_key_dim).to(self.dtype)
+        v = None if not self.tier_value_dim else \
+            cache_v.reshape(-1, heads, self.tier_value_dim).to(self.dtype)
         self.host.write(layer_id - self.start_layer, self.host_slots(loc), k, v)
 
     def gather_tokens(self, layer_id: int, slots: Tensor) -> tuple[Tensor, Tensor]:
@@ -264,15 +308,15 @@ class TieredKVPool(MHATokenToKVPool):
         g = self.layout.gpu_tokens
         slots = slots.long()
         on_gpu = slots < g
-        k = self.k_buffer[idx][slots.clamp(max=g - 1)].clone()
-        v = self.v_buffer[idx][slots.clamp(max=g - 1)].clone()
-        if not bool(on_gpu.all()):
-            hs = (slots - g).clamp(min=0).cpu()
-            hk = self.host.k[idx][:, hs].transpose(0, 1).to(k.device)
-            hv = self.host.v[idx][:, hs].transpose(0, 1).to(v.device)
-            k = torch.where(on_gpu[:, None, None], k, hk)
-            v = torch.where(on_gpu[:, None, None], v, hv)
-        return k, v
+        hs = None if bool(on_gpu.all()) else (slots - g).clamp(min=0).cpu()
+        out = []
+        for dev, host in zip(self.tier_buffers(idx), self.host.buffers(idx)):
+            x = dev[slots.clamp(max=g - 1)].clone()
+            if hs is not None:
+                x = torch.where(on_gpu[:, None, None], x, host[:, hs].transpose(0, 1).to(x.device))
+            out.append(x)
+        k = out[0]
+        return k, out[1] if len(out) > 1 else self.values_of(k)
 
     # ------------------------------------------------------------- prefill side
 
@@ -328,12 +372,13 @@ class TieredKVPool(MHATokenToKVPool):
     def _load_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Host pages -> device pages, every layer and kv head."""
         n = len(pairs)
-        heads = torch.arange(self.head_num, dtype=torch.int32).repeat(n)
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.int32).repeat_interleave(self.head_num)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.int32).repeat_interleave(self.head_num)
+        hn = self.tier_heads
+        heads = torch.arange(hn, dtype=torch.int32).repeat(n)
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.int32).repeat_interleave(hn)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.int32).repeat_interleave(hn)
         heads, src, dst = (t.to(self.device) for t in (heads, src, dst))
         for layer in range(self.layer_num):
-            self.host.load(layer, heads, src, dst, self.k_buffer[layer], self.v_buffer[layer])
+            self.host.load(layer, heads, src, dst, *self.tier_buffers(layer))
 
     def _copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Device page -> device page, every layer."""
@@ -344,8 +389,9 @@ class TieredKVPool(MHATokenToKVPool):
         s = (torch.tensor(src, device=self.device)[:, None] * ps + offs).reshape(-1)
         d = (torch.tensor(dst, device=self.device)[:, None] * ps + offs).reshape(-1)
         for layer in range(self.layer_num):
-            self.k_buffer[layer][d] = self.k_buffer[layer][s]
-            self.v_buffer[layer][d] = self.v_buffer[layer][s]
+            for buf in self.tier_buffers(layer):
+                if buf is not None:
+                    buf[d] = buf[s]
 
     def _unstage_one(self, lp: int) -> None:
         entry = self._staged[lp]
@@ -550,14 +596,15 @@ class TieredKVPool(MHATokenToKVPool):
                 n = min(ps, written - j * ps)
                 slots = req_to_token[row, j * ps:j * ps + n]
                 for layer in range(self.layer_num):
-                    hk, hv = self.gather_tokens(layer + self.start_layer, slots)
-                    for h in range(self.head_num):
+                    home = self.gather_tokens(layer + self.start_layer, slots)
+                    k_dev, v_dev = self.tier_buffers(layer)
+                    device = (k_dev, self.values_of(k_dev) if v_dev is None else v_dev)
+                    for h in range(self.tier_heads):
                         page = int(pm[row, layer, h, j])
                         if page < 0:
                             continue
-                        dk = self.k_buffer[layer][page * ps:page * ps + n, h]
-                        dv = self.v_buffer[layer][page * ps:page * ps + n, h]
-                        if not (torch.equal(dk, hk[:, h]) and torch.equal(dv, hv[:, h])):
+                        if not all(torch.equal(dev[page * ps:page * ps + n, h], x[:, h])
+                                   for dev, x in zip(device, home)):
                             raise AssertionError(
                                 f"sglang_ext tier: row {row} block {j} layer {layer} head {h} "
                                 f"(device page {page}) differs from its home copy")
@@ -569,3 +616,40 @@ class TieredKVPool(MHATokenToKVPool):
         st.update(work_pages_free=self.work.available, work_pages=self.work.num_pages,
                   requests_tiered=len(self.rows))
         return st
+
+
+class TieredKVPool(TieredPool, MHATokenToKVPool):
+    """``MHATokenToKVPool`` with the tier (``_build_mha_kv_pool`` hook): per layer K and V
+    buffers of ``head_num`` kv heads."""
+
+    def tier_shape(self) -> tuple[int, int, int]:
+        return self.head_num, self.head_dim, self.v_head_dim
+
+    def tier_buffers(self, layer: int) -> tuple[Tensor, Optional[Tensor]]:
+        return self.k_buffer[layer], self.v_buffer[layer]
+
+
+class TieredMLAKVPool(TieredPool, MLATokenToKVPool):
+    """``MLATokenToKVPool`` with the tier (``_build_mla_kv_pool`` hook): per layer one latent
+    buffer ``[rows, 1, R + P]``; V is its ``[..., :R]`` view, so the tier stores, writes
+    through, gathers and copies that one buffer (one "kv head" of ``R + P`` dims)."""
+
+    def tier_shape(self) -> tuple[int, int, int]:
+        if self.store_dtype != self.dtype:  # the host copy holds rows of the KV dtype
+            raise ValueError(f"sglang_ext: --sparse-tier does not support an MLA KV cache "
+                             f"stored as {self.store_dtype} yet (--kv-cache-dtype)")
+        return 1, self.kv_cache_dim, 0
+
+    def tier_buffers(self, layer: int) -> tuple[Tensor, Optional[Tensor]]:
+        return self.kv_buffer[layer], None
+
+    def values_of(self, keys: Tensor) -> Tensor:
+        return keys[..., :self.kv_lora_rank]
+
+    def set_mla_kv_buffer(self, layer: Any, loc: Tensor, cache_k_nope: Tensor,
+                          cache_k_rope: Tensor) -> None:
+        """How an MLA model writes a prefill's latent rows (then calls attention with
+        ``save_kv_cache=False``): into the translated device rows, and through to the host."""
+        super().set_mla_kv_buffer(layer, self.translate(loc), cache_k_nope, cache_k_rope)
+        self._write_through(layer.layer_id, loc, torch.cat([cache_k_nope, cache_k_rope], -1),
+                            None)

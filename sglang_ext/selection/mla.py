@@ -64,12 +64,12 @@ DEEPSEEK_KV_LORA_RANK = 512
 DEEPSEEK_QK_ROPE_HEAD_DIM = 64
 
 # Settings whose code has no MLA version yet, as (SparseConfig / SelectionParams attribute,
-# its flag, whether a value turns it on). The CPU tier stores per-head K and V pages; the
-# guard's probe kernel (kernels/guard_probe.py) and the eviction heads assume MHA keys; the
-# head policy, output_aware scoring and the locality constraint rank or split kv heads, and
-# an MLA layer has one latent head shared by all query heads (nothing to split, unmeasured).
+# its flag, whether a value turns it on). The guard's probe kernel (kernels/guard_probe.py)
+# and the eviction heads assume MHA keys; the head policy, output_aware scoring and the
+# locality constraint rank or split kv heads, and an MLA layer has one latent head shared by
+# all query heads (nothing to split, unmeasured). (The CPU tier has an MLA pool:
+# memory_tier/tiered_pool.py's TieredMLAKVPool.)
 _MLA_UNSUPPORTED = (
-    ("tier", "--sparse-tier", lambda v: v != "off"),
     ("guard_every", "--sparse-guard-every", lambda v: v > 0),
     ("scoring", "--sparse-scoring output_aware", lambda v: v != "score"),
     ("head_policy", "--sparse-head-policy", bool),
