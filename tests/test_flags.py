@@ -59,26 +59,21 @@ def test_valid_values_and_auto_candidates():
     assert cfg.effective_candidate_blocks == 2 * (480 // 32)
 
 
-def test_auto_candidates_under_the_locality_constraint_cover_the_query_aware_part():
-    """The automatic block filter is twice what the query-aware tokens need: the whole middle
-    without the constraint, the middle less E_t's blocks with it; with the tier, the working
-    set (candidates + E_t) must still hold a budget-sized context's middle blocks."""
+def test_the_tiers_working_set_check_counts_the_locality_slots():
+    """With the tier, the working set (candidate blocks plus E_t's, per kv head) must hold a
+    budget-sized context's middle blocks (122 here); the locality benchmarks' block filter,
+    sized for the query-aware rest, passes beside its k_e."""
+    from sglang_ext.config import locality_candidate_blocks
+
     plain = dict(budget=2048, block_size=16, sink=16, window=64)
-    assert build_config(**plain).effective_candidate_blocks == 2 * 123
-    assert build_config(**plain, locality_blocks=76).effective_candidate_blocks == 2 * (123 - 76)
-    build_config(**plain, locality_blocks=76, tier="async")  # 94 + 76 slots >= 122
+    assert build_config(**plain).effective_candidate_blocks == 2 * 123  # auto: the whole middle
+    assert locality_candidate_blocks(61, **plain) == 2 * 62
+    assert locality_candidate_blocks(76, **plain) == 2 * 47
+    build_config(**plain, locality_blocks=76, candidate_blocks=94, tier="async")  # 170 slots
     build_config(**plain, locality_blocks=76, candidate_blocks=46, tier="async")  # 122: enough
     with pytest.raises(ConfigError) as e:
         build_config(**plain, locality_blocks=76, candidate_blocks=45, tier="async")
     assert "--sparse-locality-blocks must be >= 122" in str(e.value)
-    # a request that turns the constraint on gets the filter re-derived for its k_e
-    from sglang_ext.attention.request_overrides import parse_override
-
-    sel = parse_override({"sparse": {"locality_blocks": 76}}, build_config(**plain))
-    assert (sel.locality_blocks, sel.candidate_blocks) == (76, 94)
-    explicit = parse_override({"sparse": {"locality_blocks": 76, "candidate_blocks": 100}},
-                              build_config(**plain))
-    assert explicit.candidate_blocks == 100
 
 
 def _run_server(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:

@@ -30,7 +30,11 @@ from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 from tqdm import tqdm
 
 from benchmarks.accuracy import tasks as T
-from sglang_ext.config import LOCALITY_SHARE, locality_blocks_for_share
+from sglang_ext.config import (
+    LOCALITY_SHARE,
+    locality_blocks_for_share,
+    locality_candidate_blocks,
+)
 
 METHODS = ("quest", "ds", "two_level")
 # two_level variants (Fluxion), each a method name in the rows; "head_policy" needs servers
@@ -39,9 +43,9 @@ METHODS = ("quest", "ds", "two_level")
 # LOCALITY_SHARE (sglang_ext/config.py) of the budget's middle blocks query-agnostic: the
 # training-free key_norm score (the one the batched CUDA-graph decode runs), or the trained
 # eviction head (servers started with --sparse-eviction-head, the driver's --eviction-head). The
-# rest stays query-aware, with the automatic block filter sized for it. The GPU locality run
-# (benchmarks/e2e_serving.py, sglang_ext_tier_locality) uses the same share, so its bytes per
-# step and these rows describe one setting; γ(t) >= ~LOCALITY_SHARE.
+# rest stays query-aware, with a block filter sized for it (locality_candidate_blocks). The GPU
+# locality run (benchmarks/e2e_serving.py, sglang_ext_tier_locality) uses the same setting, so
+# its bytes per step and these rows describe one thing; γ(t) >= ~LOCALITY_SHARE.
 SHARE_OF_MIDDLE = "share_of_middle"
 VARIANTS = {
     "output_aware": {"method": "two_level", "scoring": "output_aware"},
@@ -148,8 +152,9 @@ def sparse_settings(methods: Sequence[str], budgets: Sequence[int], block_size: 
             s, w = shrunk_sink_window(b, sink, window)
             sparse = {**how, "budget": b, "block_size": block_size, "sink": s, "window": w}
             if sparse.get("locality_blocks") == SHARE_OF_MIDDLE:
-                sparse["locality_blocks"] = locality_blocks_for_share(locality_share, b, s, w,
-                                                                      block_size)
+                k_e = locality_blocks_for_share(locality_share, b, s, w, block_size)
+                sparse["locality_blocks"] = k_e
+                sparse["candidate_blocks"] = locality_candidate_blocks(k_e, b, s, w, block_size)
             out.append(Setting(m, b, {"sparse": sparse}))
     return out
 

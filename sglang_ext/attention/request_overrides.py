@@ -68,8 +68,8 @@ def parse_override(custom_params: Optional[Mapping[str, Any]], base: SparseConfi
         raise ValueError(f"custom_params.{OVERRIDE_KEY}.head_policy needs a server started with "
                          f"--sparse-head-policy")
     values = dataclasses.asdict(base)
-    if ("budget" in raw or "locality_blocks" in raw) and "candidate_blocks" not in raw:
-        values["candidate_blocks"] = 0  # re-derive the automatic value (it depends on both)
+    if "budget" in raw and "candidate_blocks" not in raw:
+        values["candidate_blocks"] = 0  # re-derive the automatic value from the new budget
     if "method" in raw and raw["method"] != "two_level":
         # The server's output-aware scoring and locality constraint are two_level's.
         if "scoring" not in raw:
