@@ -105,8 +105,11 @@ def test_a_skipped_layer_is_the_non_cooperative_step(monkeypatch):
 
 # ------------------------------------------------------- the batched (kernel) decode
 
+@pytest.mark.parametrize("where", [
+    "cpu", pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA")])])
 @pytest.mark.parametrize("method", ["two_level", "quest", "locality"])
-def test_kernel_decode_with_cooperation_equals_the_untiered_decode(method, monkeypatch):
+def test_kernel_decode_with_cooperation_equals_the_untiered_decode(method, where, monkeypatch):
     """The sync tier's batched decode (Triton's interpreter here) with the CPU given every
     miss: each step's output equals the untiered decode over a plain pool within bf16 rounding
     (the same token selection: two_level's CPU blocks are scored on the CPU; a different token
@@ -116,13 +119,16 @@ def test_kernel_decode_with_cooperation_equals_the_untiered_decode(method, monke
     from sglang_ext.selection.reference import SelectionParams
 
     monkeypatch.setenv(TEST_ALL_CPU_ENV, "1")
-    sh = steps.SMALL
     local = method == "locality"
     method = "two_level" if local else method
-    params = SelectionParams(method, 24, sh.page_size, 3 if method == "two_level" else 1,
-                             sh.sink, sh.window, locality_blocks=int(local),
-                             eviction_score="key_norm")
-    run = steps.Run(params, "sync", prompt_lens=[45, 30], steps=6)
+    if where == "cpu":
+        sh, budget, candidates, lens = steps.SMALL, 24, 3, [45, 30]
+    else:  # the real kernels and a pinned host store, at a served model's head shapes
+        sh, budget, candidates, lens = steps.SERVER_GPU, 256, 12, [700, 480]
+    params = SelectionParams(method, budget, sh.page_size,
+                             candidates if method == "two_level" else 1, sh.sink, sh.window,
+                             locality_blocks=2 * int(local), eviction_score="key_norm")
+    run = steps.Run(params, "sync", prompt_lens=lens, steps=6, shape=sh)
     pool = run.pool
     coop = CooperativeTier(pool.host, pool.layout.gpu_tokens, sh.page_size, threads=2)
     real = steps.sparse_decode_batched
