@@ -54,6 +54,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 # decode steps between two log lines of the CPU tier's counters (benchmarks log more often)
 TIER_LOG_EVERY = int(os.environ.get("SGLANG_EXT_TIER_LOG_EVERY", "256"))
+# decode steps between two refreshes of the tier's /metrics counters (each reads the device)
+TIER_METRICS_EVERY = int(os.environ.get("SGLANG_EXT_TIER_METRICS_EVERY", "32"))
 LOCALITY_LOG_EVERY = 512  # (request, layer) selections between two locality log lines
 LOCALITY_READ_EVERY = 64  # decode steps between two reads of the CUDA locality γ counters
 GUARD_REPORT_EVERY = 128  # decode steps between two reads of the CUDA guard's counters
@@ -183,7 +185,8 @@ class SparseDecodeBackend(AttentionBackend):
         if self.tiered is not None and getattr(model_runner.server_args, "enable_metrics", False):
             from sglang_ext.memory_tier.metrics import TierMetrics
 
-            self._tier_metrics = self.tiered.metrics = TierMetrics(page_bytes=self._tier_page_bytes)
+            self._tier_metrics = self.tiered.metrics = TierMetrics(
+                page_bytes=self._tier_page_bytes, every=TIER_METRICS_EVERY)
         if self.tiered is not None:
             self.tiered.bind(self.req_to_token_pool.req_to_token)
             self.needs_cpu_seq_lens = True  # host-side lengths start a request's decoding

@@ -185,7 +185,8 @@ class CooperativeTier:
             if "plan" in step:
                 self._score_cpu_tokens(layer, scores, step["cpu_blocks"], q, req_to_token,
                                        req_pool_indices, seq_lens, params, channels,
-                                       workspace.block_scores[:batch] if locality else None)
+                                       None if locality is None
+                                       else workspace.block_scores[:batch])
 
         slots, positions = select_slots_batched(
             q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, kmax, params,

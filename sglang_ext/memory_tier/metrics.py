@@ -46,8 +46,8 @@ class TierMetrics:
         # --sparse-cooperative (memory_tier/cooperative_decode.py; cumulative counts)
         self.coop = {
             "coop_cpu_blocks": Counter(p + "cooperative_cpu_blocks",
-                                       "Selected (request, kv head, block)s attended by the CPU "
-                                       "workers from host memory instead of fetched"),
+                                       "Selected (request, kv head, block)s handed to the CPU "
+                                       "workers (attended from host memory, not fetched)"),
             "coop_cpu_tokens": Counter(p + "cooperative_cpu_tokens",
                                        "Selected tokens attended by the CPU workers"),
             "coop_planned_layers": Counter(p + "cooperative_planned_layers",
