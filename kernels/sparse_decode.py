@@ -406,6 +406,7 @@ def select_slots_batched(
     labels: Tensor | None = None,
     row_ks: tuple[Tensor | None, Tensor | None] | None = None,
     locality: LocalityLayerState | None = None,
+    on_token_scores: Callable[[Tensor, Tensor], None] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Step 1-2 of the pipeline: the ``budget`` KV slots (int32 ``[B, Hkv, budget]``, ``-1``
     padded) each (request, kv head) attends; with ``return_positions`` also their positions.
@@ -429,7 +430,12 @@ def select_slots_batched(
 
     ``locality`` (needed iff ``params.locality_blocks > 0``): the layer's state of NOSA's
     locality constraint (:mod:`locality`), updated in place; each request's γ(t) of this step
-    is left in ``workspace.gamma[:B]`` (``-1``: not measured)."""
+    is left in ``workspace.gamma[:B]`` (``-1``: not measured).
+
+    ``on_token_scores(scores, cand)`` (two_level, eager only) may change the token scores
+    ``[B, Hkv, C*bs]`` of the candidates ``cand`` ``[B, Hkv, C]`` in place before the token
+    top-k: cooperative attention scores there the candidate blocks the CPU attends from host
+    memory (not resident, so ``page_map`` scored them ``-inf``)."""
     batch, num_q_heads, _ = q.shape
     num_kv_heads = k_buffer.shape[1]
     if workspace is None:
@@ -502,6 +508,8 @@ def select_slots_batched(
             return_positions=False, page_map=page_map,
             forced_blocks=ws.block_scores[:batch] if locality is not None else None,
         )
+        if on_token_scores is not None:
+            on_token_scores(tok_scores, cand)
         top = run_topk(tok_scores, ws.k_tokens, ws.top_tokens[:batch], True, k_token_rows,
                        n_token_rows)
 

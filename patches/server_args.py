@@ -213,6 +213,17 @@ def _check_prefill_elsewhere(server_args: Any, cfg: sparse_config.SparseConfig, 
             f"{BACKEND_NAME} with --sparse-dense-backend to choose the prefill kernels")
 
 
+def _check_cooperative(server_args: Any, cfg: sparse_config.SparseConfig, impl: str) -> None:
+    """--sparse-cooperative hands the host a layer's misses and waits for the CPU's partial
+    attention inside the layer: a per-layer host round trip, which a captured decode CUDA graph
+    cannot hold (the reference decode turns the graphs off itself)."""
+    if cfg.cooperative != "on" or server_args.device == "cpu" or impl == "reference":
+        return
+    if not server_args.disable_cuda_graph:
+        raise SystemExit("sglang_ext: --sparse-cooperative on needs eager decode: add "
+                         "--disable-cuda-graph (a per-layer host round trip cannot be captured)")
+
+
 def _force_compatible_settings(server_args: Any, cfg: sparse_config.SparseConfig) -> None:
     """Settings that would route decode tokens around our backend, and the paging and CUDA
     graph settings each decode implementation needs."""
@@ -237,6 +248,7 @@ def _force_compatible_settings(server_args: Any, cfg: sparse_config.SparseConfig
                              f"(add --sparse-impl reference)")
     if impl == "triton" and cfg.locality_blocks > 0:
         _check_kernel_locality(cfg)
+    _check_cooperative(server_args, cfg, impl)
     if impl == "reference" and not server_args.disable_cuda_graph and server_args.device != "cpu":
         # The reference decode loops over requests on the host: not capturable.
         changes["disable_cuda_graph"] = True

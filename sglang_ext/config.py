@@ -57,6 +57,8 @@ class SparseConfig:
     guard_max_budget: int = 0  # 0 = auto: 4x --sparse-budget
     scoring: str = "score"  # two_level's token ranking: see SCORINGS
     head_policy: Optional[str] = None  # per-head policy file (selection/head_policy.py)
+    cooperative: str = "off"  # Fluxion CPU-GPU cooperative attention of the sync tier: ON_OFF
+    cooperative_threads: int = 0  # its CPU worker threads (0 = auto: cooperative_worker_threads)
 
     @property
     def keeps_label_cache(self) -> bool:
@@ -159,6 +161,16 @@ _FLAGS: tuple[tuple[str, str, str, str], ...] = (
      "Time the tier's transfers on the GPU's own clock, inside the decode CUDA graph (a few "
      "tiny kernels per layer): transfer seconds, the part the step waited for, and the hidden "
      "fraction, in the tier stats log line and /metrics."),
+    ("cooperative", "--sparse-cooperative", "{off,on}",
+     "Fluxion's CPU-GPU cooperative attention (needs --sparse-tier sync and eager decode, e.g. "
+     "--disable-cuda-graph): per layer, CPU threads attend some of the step's selected blocks "
+     "that are still only in host memory, chosen by a cost model calibrated at the first "
+     "tiered decode, instead of fetching them; the partial results are merged exactly by "
+     "log-sum-exp. CPU-attended blocks and planned/skipped layers go to the tier stats log "
+     "line and /metrics."),
+    ("cooperative_threads", "--sparse-cooperative-threads", "THREADS",
+     "CPU worker threads of --sparse-cooperative (0 = half of the cores this process may use, "
+     "at least 1, at most 8)."),
 )
 _FIELD_BY_FLAG = {flag: field for field, flag, _, _ in _FLAGS}
 _FLAG_BY_FIELD = {field: flag for field, flag, _, _ in _FLAGS}
@@ -299,6 +311,7 @@ def _validate(cfg: SparseConfig) -> None:
         fail("tier_timing", f"must be one of {', '.join(ON_OFF)}")
     if cfg.tier_timing == "on" and cfg.tier == "off":
         fail("tier_timing", "needs --sparse-tier sync or async (it times the tier's transfers)")
+    _validate_cooperative(cfg, fail)
     if cfg.guard_every < 0:
         fail("guard_every", "must be >= 0 (0 = off)")
     if not 0.0 < cfg.guard_recall < 1.0:
@@ -362,6 +375,31 @@ def locality_candidate_blocks(locality_blocks: int, budget: int, sink: int, wind
     accuracy suite it costs points at small budgets (README, NOSA locality)."""
     query_aware = max(budget - sink - window - locality_blocks * block_size, 0)
     return max(1, 2 * -(-query_aware // block_size))
+
+
+def _validate_cooperative(cfg: SparseConfig, fail: Any) -> None:
+    """--sparse-cooperative: only the sync tier has misses the CPU can take instead of a fetch
+    (under async every attended block is resident by construction)."""
+    if cfg.cooperative not in ON_OFF:
+        fail("cooperative", f"must be one of {', '.join(ON_OFF)}")
+    if cfg.cooperative == "on" and cfg.tier != "sync":
+        fail("cooperative", "needs --sparse-tier sync (the step's misses are what the CPU attends "
+             "instead of fetching)")
+    if cfg.cooperative_threads < 0:
+        fail("cooperative_threads", "must be >= 0 (0 = auto)")
+
+
+def cooperative_worker_threads(cfg: SparseConfig) -> int:
+    """The CPU worker threads of --sparse-cooperative: the flag, or half of the cores this
+    process may run on (the other half stays with the scheduler and the launch path), 1 to 8
+    (the per-task fixed cost grows with the thread count on large hosts: see README)."""
+    if cfg.cooperative_threads > 0:
+        return cfg.cooperative_threads
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores // 2))
 
 
 def tier_ring_pages(window: int, block_size: int) -> int:

@@ -44,6 +44,11 @@ from server_utils import LABELS, free_port, launch_command, server_env
         ({"eviction_head": "/nonexistent.safetensors"}, "--sparse-eviction-head"),
         ({"locality_blocks": 2, "method": "quest"}, "--sparse-locality-blocks"),
         ({"budget": 128, "locality_blocks": 13}, "--sparse-locality-blocks"),
+        ({"cooperative": "yes"}, "--sparse-cooperative"),
+        ({"cooperative": "on"}, "--sparse-cooperative"),  # no tier: no misses to share
+        ({"cooperative": "on", "tier": "async"}, "--sparse-cooperative"),  # all resident
+        ({"cooperative_threads": -1}, "--sparse-cooperative-threads"),
+        ({"cooperative_threads": "many"}, "--sparse-cooperative-threads"),
     ],
 )
 def test_invalid_values_name_the_flag(values, flag):
@@ -95,7 +100,8 @@ def test_help_lists_our_flags():
                  "--sparse-tier-host-gb", "--sparse-tier-gpu-tokens", "--sparse-tier-timing",
                  "--sparse-guard-every",
                  "--sparse-guard-recall", "--sparse-guard-max-budget",
-                 "--sparse-locality-blocks", "--sparse-eviction-score", "--sparse-eviction-head"):
+                 "--sparse-locality-blocks", "--sparse-eviction-score", "--sparse-eviction-head",
+                 "--sparse-cooperative", "--sparse-cooperative-threads"):
         assert flag in out.stdout
     assert "sglang_ext" in out.stdout  # the backend name is an allowed --attention-backend
 
@@ -113,6 +119,7 @@ BAD_LAUNCHES = [
       "--sparse-tier", "sync"], "--prefill-attention-backend"),
     (["--prefill-attention-backend", "sglang_ext", "--decode-attention-backend", "torch_native",
       "--sparse-tier", "sync"], "--decode-attention-backend"),
+    (["--sparse-cooperative", "on", "--sparse-tier", "async"], "--sparse-cooperative"),
 ]
 
 
@@ -225,3 +232,39 @@ def test_what_the_kernel_decode_cannot_do_stops_startup_with_one_line(values, wo
         _force_compatible_settings(_cuda_server_args(), cfg)
     message = str(e.value)
     assert message.startswith("sglang_ext: ") and words in message and "\n" not in message
+
+
+def test_cooperative_needs_eager_decode_on_cuda():
+    """--sparse-cooperative waits for the CPU inside each layer: refused under the decode CUDA
+    graph in one line, accepted with --disable-cuda-graph and by the reference decode (which
+    turns the graphs off itself)."""
+    from sglang_ext.patches.server_args import _force_compatible_settings
+
+    cfg = build_config(impl="triton", tier="sync", cooperative="on", budget=256, block_size=16)
+    with pytest.raises(SystemExit) as e:
+        _force_compatible_settings(_cuda_server_args(), cfg)
+    message = str(e.value)
+    assert message.startswith("sglang_ext: --sparse-cooperative") and "--disable-cuda-graph" \
+        in message and "\n" not in message
+    eager = _cuda_server_args()
+    eager.disable_cuda_graph = True
+    _force_compatible_settings(eager, cfg)
+    reference = _cuda_server_args()
+    _force_compatible_settings(reference, build_config(impl="reference", tier="sync",
+                                                       cooperative="on", budget=256))
+    assert reference.disable_cuda_graph
+
+
+def test_cooperative_is_refused_for_mla_models():
+    from sglang_ext.selection.mla import mla_unsupported
+
+    cfg = build_config(tier="sync", cooperative="on")
+    assert ("cooperative", "--sparse-cooperative") in mla_unsupported(cfg)
+    assert not mla_unsupported(build_config())
+
+
+def test_cooperative_worker_threads():
+    from sglang_ext.config import cooperative_worker_threads
+
+    assert cooperative_worker_threads(build_config(cooperative_threads=3)) == 3
+    assert 1 <= cooperative_worker_threads(build_config()) <= 8

@@ -54,6 +54,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 # decode steps between two log lines of the CPU tier's counters (benchmarks log more often)
 TIER_LOG_EVERY = int(os.environ.get("SGLANG_EXT_TIER_LOG_EVERY", "256"))
+# decode steps between two refreshes of the tier's /metrics counters (each reads the device)
+TIER_METRICS_EVERY = int(os.environ.get("SGLANG_EXT_TIER_METRICS_EVERY", "32"))
 LOCALITY_LOG_EVERY = 512  # (request, layer) selections between two locality log lines
 LOCALITY_READ_EVERY = 64  # decode steps between two reads of the CUDA locality γ counters
 GUARD_REPORT_EVERY = 128  # decode steps between two reads of the CUDA guard's counters
@@ -183,10 +185,16 @@ class SparseDecodeBackend(AttentionBackend):
         if self.tiered is not None and getattr(model_runner.server_args, "enable_metrics", False):
             from sglang_ext.memory_tier.metrics import TierMetrics
 
-            self._tier_metrics = self.tiered.metrics = TierMetrics(page_bytes=self._tier_page_bytes)
+            self._tier_metrics = self.tiered.metrics = TierMetrics(
+                page_bytes=self._tier_page_bytes, every=TIER_METRICS_EVERY)
         if self.tiered is not None:
             self.tiered.bind(self.req_to_token_pool.req_to_token)
             self.needs_cpu_seq_lens = True  # host-side lengths start a request's decoding
+        # Fluxion's cooperative attention (--sparse-cooperative): CPU workers attend some of a
+        # sync-tier step's misses from host memory (memory_tier/cooperative_decode.py).
+        self.cooperative: Optional[Any] = None
+        if self.tiered is not None and config.cooperative == "on":
+            self.cooperative = self._build_cooperative()
         if self.impl == "triton":
             page_size = model_runner.server_args.page_size
             if page_size != config.block_size:
@@ -202,6 +210,15 @@ class SparseDecodeBackend(AttentionBackend):
                 self._allocate_locality_state()
 
     # ------------------------------------------------------------------ set-up
+
+    def _build_cooperative(self) -> Any:
+        from sglang_ext.config import cooperative_worker_threads
+        from sglang_ext.memory_tier.cooperative_decode import CooperativeTier
+
+        pool = self.tiered
+        threads = cooperative_worker_threads(self.config)
+        logger.info("sglang_ext cooperative attention: %d CPU worker threads", threads)
+        return CooperativeTier(pool.host, pool.layout.gpu_tokens, pool.layout.page_size, threads)
 
     def _allocate_label_cache(self) -> Optional[list[torch.Tensor]]:
         """The label channels of every key, per layer (kernels/label_cache.py), for methods
@@ -498,6 +515,8 @@ class SparseDecodeBackend(AttentionBackend):
                 self._tier_steps % self._tier_metrics.every == 0
             if log_now or metrics_now:  # reading the counters syncs: rarely
                 occupancy = pool.occupancy()
+                if self.cooperative is not None:
+                    occupancy.update(self.cooperative.read_stats())
                 if metrics_now:
                     self._tier_metrics.update(occupancy)
                 if log_now:
@@ -654,6 +673,14 @@ class SparseDecodeBackend(AttentionBackend):
         req_to_token = self.req_to_token_pool.req_to_token
         tier_args: dict[str, Any] = {}
         tier = self.tiered.tier if self.tiered is not None else None
+        if self.cooperative is not None:  # eager sync tier (patches/server_args.py)
+            out = self.cooperative.attend_kernels(
+                tier, layer_index, q, k_buffer, v_buffer, req_to_token,
+                forward_batch.req_pool_indices, forward_batch.seq_lens,
+                self.summaries.kmin[layer_index], self.summaries.kmax[layer_index],
+                self.kernel_params, layer.scaling, channels, self._ensure_workspace(q.shape[0]),
+                None if self.locality is None else self.locality.layer(layer_index))
+            return out.reshape(q.shape[0], layer.tp_q_head_num * layer.v_head_dim).clone()
         if tier is not None:
             on_blocks, attend = tier.decode_hooks(
                 layer_index, forward_batch.req_pool_indices, req_to_token, k_buffer, v_buffer
@@ -777,6 +804,7 @@ class SparseDecodeBackend(AttentionBackend):
         channels = None if self.label_channels is None else self.label_channels[layer.layer_id]
 
         sparse = []  # sparse requests run together (BatchedSparseDecode) without the tier
+        coop: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # cooperative rows
         for i, (row, seq_len, params) in enumerate(
             zip(meta.req_pool_indices, meta.seq_lens, meta.sparsity)
         ):
@@ -799,15 +827,29 @@ class SparseDecodeBackend(AttentionBackend):
             elif local:
                 mask = self._select_with_locality(row, layer, q[i], keys, values, params,
                                                   channels)
+                if self.cooperative is not None:
+                    coop.append((i, mask, keys, values))
+                    continue
                 out[i] = sparse_attention(q[i], keys, values, mask, layer.scaling)
             else:
                 streaming = None if self.streaming_heads is None \
                     else self.streaming_heads[layer.layer_id]
                 mask = select_token_mask(q[i], keys, params, channels, values, streaming)
+                if self.cooperative is not None:  # attended below, the layer's rows together
+                    coop.append((i, mask, keys, values))
+                    continue
                 out[i] = sparse_attention(q[i], keys, values, mask, layer.scaling)
                 if guard is not None:
                     guard.add_recall(selection_recall(q[i], keys, mask, layer.scaling,
                                                       guard.probe_head))
+        if coop:
+            index = [i for i, _, _, _ in coop]
+            layer_index = self._layer_index(layer)
+            out[index] = self.cooperative.attend_reference(
+                layer_index, q[index], [meta.req_pool_indices[i] for i in index],
+                [m for _, m, _, _ in coop], [k for _, _, k, _ in coop],
+                [v for _, _, _, v in coop], self.tiered.tier.page_map(layer_index),
+                req_to_token, layer.scaling)
         if meta.guards is not None and layer.layer_id == self.token_to_kv_pool.end_layer - 1:
             self._guard_finish_reference(meta)
         if sparse:

@@ -71,6 +71,17 @@ def attend_items(q: Tensor, k: Tensor, v: Tensor, heads: Tensor, blocks: Tensor,
     and two batched GEMMs for all items: what a CPU thread runs over its share of a step.
     ``scratch`` (host K/V, contiguous): the gathers and scores go into its reused buffers."""
     tok, valid = block_token_index(blocks.to(k.device), page_size)  # [n, T]
+    return attend_token_items(q, k, v, heads, tok, valid, scaling, scratch)
+
+
+def attend_token_items(q: Tensor, k: Tensor, v: Tensor, heads: Tensor, tok: Tensor,
+                       valid: Tensor, scaling: float, scratch: Optional[AttendScratch] = None,
+                       ) -> tuple[Tensor, Tensor]:
+    """:func:`attend_items` over explicit token slots: item ``i`` attends the tokens
+    ``tok[i]`` (``[n, T]`` rows of kv head ``heads[i]``) where ``valid[i]``. A serving step's
+    selection can keep part of a block (two_level's token stage, a block that reaches into the
+    recent window), so the CPU is handed exactly the tokens it attends."""
+    tok, valid = tok.to(k.device).long(), valid.to(k.device)
     heads = heads.to(k.device).long()[:, None]
     qf = q.to(k.device).float()
     if scratch is None or not (k.is_contiguous() and v.is_contiguous()):
@@ -279,19 +290,28 @@ class HostAttentionWorkers:
 
     def submit(self, q: Tensor, host_k: Tensor, host_v: Tensor, miss_blocks: Tensor,
                plan: CooperativePlan, page_size: int, scaling: float) -> Future:
+        tok, valid = block_token_index(miss_blocks, page_size)
+        return self.submit_tokens(q, host_k, host_v, torch.where(valid, tok, -1), plan, scaling)
+
+    def submit_tokens(self, q: Tensor, host_k: Tensor, host_v: Tensor, tokens: Tensor,
+                      plan: CooperativePlan, scaling: float) -> Future:
+        """:meth:`submit` with the host token slots each (request, kv head) attends
+        (``[B, Hkv, T]``, ``-1`` padding) instead of whole blocks."""
         batch, num_q_heads, head_dim = q.shape
         num_kv_heads = host_k.shape[0]
         group = num_q_heads // num_kv_heads
         out = torch.zeros(batch, num_kv_heads, group, host_v.shape[-1], dtype=torch.float32)
         lse = torch.full((batch, num_kv_heads, group), float("-inf"), dtype=torch.float32)
-        q_items = q.view(batch * num_kv_heads, group, head_dim)
-        blocks = miss_blocks.reshape(batch * num_kv_heads, -1)
+        q_items = q.reshape(batch * num_kv_heads, group, head_dim)
+        tok_items = tokens.reshape(batch * num_kv_heads, -1)
         out_items, lse_items = out.view(batch * num_kv_heads, group, -1), lse.view(-1, group)
 
         def run(items: list[int]) -> None:
             idx = torch.tensor(items, dtype=torch.long)
-            o, s = attend_items(q_items[idx], host_k, host_v, idx % num_kv_heads, blocks[idx],
-                                page_size, scaling, scratch=_thread_scratch())
+            tok = tok_items[idx]
+            o, s = attend_token_items(q_items[idx], host_k, host_v, idx % num_kv_heads,
+                                      tok.clamp(min=0), tok >= 0, scaling,
+                                      scratch=_thread_scratch())
             out_items[idx] = o
             lse_items[idx] = s
 

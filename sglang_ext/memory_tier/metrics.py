@@ -43,6 +43,20 @@ class TierMetrics:
                                      "1 - exposed / transfer time (cumulative)",
                                      multiprocess_mode="mostrecent")
         self._last_times = (0.0, 0.0)
+        # --sparse-cooperative (memory_tier/cooperative_decode.py; cumulative counts)
+        self.coop = {
+            "coop_cpu_blocks": Counter(p + "cooperative_cpu_blocks",
+                                       "Selected (request, kv head, block)s handed to the CPU "
+                                       "workers (attended from host memory, not fetched)"),
+            "coop_cpu_tokens": Counter(p + "cooperative_cpu_tokens",
+                                       "Selected tokens attended by the CPU workers"),
+            "coop_planned_layers": Counter(p + "cooperative_planned_layers",
+                                           "Layer steps the cooperative scheduler planned"),
+            "coop_skipped_layers": Counter(p + "cooperative_skipped_layers",
+                                           "Layer steps it skipped (no CPU task could finish "
+                                           "before the device)"),
+        }
+        self._last_coop = dict.fromkeys(self.coop, 0)
         self.waiting = Gauge(p + "requests_waiting_for_space",
                              "Queued requests whose prompt does not fit in the free KV slots "
                              "(GPU + host tier, radix-evictable included)",
@@ -63,6 +77,10 @@ class TierMetrics:
             self._last_times = (transfer, exposed)
             if occupancy["hidden_fraction"] is not None:
                 self.hidden_fraction.set(occupancy["hidden_fraction"])
+        for key, counter in self.coop.items():
+            if key in occupancy:
+                counter.inc(max(occupancy[key] - self._last_coop[key], 0))
+                self._last_coop[key] = occupancy[key]
         self.update_occupancy(occupancy["work_pages_free"], occupancy["work_pages"],
                               occupancy["requests_tiered"])
 

@@ -75,6 +75,7 @@ _MLA_UNSUPPORTED = (
     ("head_policy", "--sparse-head-policy", bool),
     ("eviction_head", "--sparse-eviction-head", lambda v: v is not None),
     ("locality_blocks", "--sparse-locality-blocks", lambda v: v > 0),
+    ("cooperative", "--sparse-cooperative", lambda v: v == "on"),
 )
 
 
