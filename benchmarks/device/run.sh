@@ -44,7 +44,7 @@ for step in "$@"; do
       grep -E "Traceback|Error|memory leak" "$OUT/server_sglang_ext.log" | head -20 ;;
     e2e)
       python3 benchmarks/e2e_serving.py --out "$OUT" --configs ${E2E_CONFIGS:-flashinfer sglang_ext} \
-        --input-len "${E2E_INPUT:-32768}" --output-len "${E2E_OUTPUT:-512}" \
+        --input-len ${E2E_INPUT:-32768} --output-len "${E2E_OUTPUT:-512}" \
         --num-prompts "${E2E_PROMPTS:-16}" --concurrency "${E2E_PROMPTS:-16}" \
         --extra "--mem-fraction-static 0.75" || status=1 ;;
     soak)
