@@ -335,16 +335,29 @@ def _validate(cfg: SparseConfig) -> None:
                 f"--sparse-tier needs a block-filtering --sparse-method ({', '.join(TIER_METHODS)}); "
                 f"{cfg.method} scores every token, which the host tier cannot serve (got {cfg.method!r})"
             )
+        # A context within the budget decodes densely: the working set (the block filter's
+        # blocks per kv head: two_level's candidates plus E_t's, quest's kept blocks) must hold
+        # all its middle blocks at once.
         dense_middle = dense_middle_blocks(cfg.budget, cfg.sink, cfg.window, cfg.block_size)
-        slots = cfg.effective_candidate_blocks + cfg.locality_blocks
-        if cfg.method == "two_level" and slots < dense_middle:
-            # A context within the budget decodes densely: the working set (candidate blocks
-            # plus E_t's, per kv head) must hold all its middle blocks at once.
-            raise ConfigError(
-                f"--sparse-candidate-blocks + --sparse-locality-blocks must be >= {dense_middle} "
-                f"with --sparse-tier (the middle blocks of a {cfg.budget}-token context, which "
-                f"decodes densely) (got {cfg.effective_candidate_blocks} + {cfg.locality_blocks})"
-            )
+        if cfg.method == "two_level":
+            slots = cfg.effective_candidate_blocks + cfg.locality_blocks
+            if slots < dense_middle:
+                raise ConfigError(
+                    f"--sparse-candidate-blocks + --sparse-locality-blocks must be >= "
+                    f"{dense_middle} with --sparse-tier (the middle blocks of a {cfg.budget}-token "
+                    f"context, which decodes densely) (got {cfg.effective_candidate_blocks} + "
+                    f"{cfg.locality_blocks})"
+                )
+        elif cfg.method == "quest":
+            kept = (cfg.budget - cfg.sink - cfg.window) // cfg.block_size
+            if kept < dense_middle:
+                raise ConfigError(
+                    f"--sparse-budget, --sparse-sink and --sparse-window must be multiples of "
+                    f"--sparse-block-size with --sparse-tier and quest: its {kept} kept blocks "
+                    f"cannot hold the {dense_middle} middle blocks of a {cfg.budget}-token "
+                    f"context, which decodes densely (got budget {cfg.budget}, sink {cfg.sink}, "
+                    f"window {cfg.window}, block size {cfg.block_size})"
+                )
         available = _available_host_gb()
         if available is not None and cfg.tier_host_gb > available:
             raise ConfigError(
@@ -409,10 +422,13 @@ def tier_ring_pages(window: int, block_size: int) -> int:
 
 
 def dense_middle_blocks(budget: int, sink: int, window: int, block_size: int) -> int:
-    """Blocks between the sink and the recent-window ring of the longest context that still
-    decodes densely (``budget`` tokens): with the tier they must all be in the working set,
-    which holds a two_level request's candidate blocks (quest's selection is never smaller)."""
-    return -(-budget // block_size) - -(-sink // block_size) - tier_ring_pages(window, block_size)
+    """Blocks holding a middle token (between the sink and the recent window) of the longest
+    context that still decodes densely (``budget`` tokens): with the tier they must all be in
+    the working set, which holds a two_level request's candidate blocks. The last of them may
+    share its page with the window's first tokens and sit in the recent-window ring; it still
+    needs a slot of its own (a wanted ring block is fetched into one before the ring reuses its
+    page, kernels/working_set.py), so it counts."""
+    return max(0, -(-(budget - window) // block_size) - sink // block_size)
 
 
 def _available_host_gb() -> Optional[float]:

@@ -66,7 +66,8 @@ def test_valid_values_and_auto_candidates():
 
 def test_the_tiers_working_set_check_counts_the_locality_slots():
     """With the tier, the working set (candidate blocks plus E_t's, per kv head) must hold a
-    budget-sized context's middle blocks (122 here); the locality benchmarks' block filter,
+    budget-sized context's middle blocks (123 here: the last one shares its page with the
+    window's first tokens and still needs a slot); the locality benchmarks' block filter,
     sized for the query-aware rest, passes beside its k_e."""
     from sglang_ext.config import locality_candidate_blocks
 
@@ -75,10 +76,20 @@ def test_the_tiers_working_set_check_counts_the_locality_slots():
     assert locality_candidate_blocks(61, **plain) == 2 * 62
     assert locality_candidate_blocks(76, **plain) == 2 * 47
     build_config(**plain, locality_blocks=76, candidate_blocks=94, tier="async")  # 170 slots
-    build_config(**plain, locality_blocks=76, candidate_blocks=46, tier="async")  # 122: enough
+    build_config(**plain, locality_blocks=76, candidate_blocks=47, tier="async")  # 123: enough
     with pytest.raises(ConfigError) as e:
-        build_config(**plain, locality_blocks=76, candidate_blocks=45, tier="async")
-    assert "--sparse-locality-blocks must be >= 122" in str(e.value)
+        build_config(**plain, locality_blocks=76, candidate_blocks=46, tier="async")
+    assert "--sparse-locality-blocks must be >= 123" in str(e.value)
+
+
+def test_the_tier_refuses_quest_whose_kept_blocks_miss_a_dense_contexts_middle():
+    """quest keeps (budget - sink - window) // block_size blocks; with a window that is not a
+    multiple of the block size a budget-sized context's middle touches one block more (the
+    sync tier would then drop a middle block that the untiered dense decode attends)."""
+    build_config(budget=96, block_size=4, sink=4, window=8, method="quest", tier="sync")
+    with pytest.raises(ConfigError) as e:
+        build_config(budget=96, block_size=4, sink=4, window=10, method="quest", tier="sync")
+    assert "must be multiples of --sparse-block-size" in str(e.value)
 
 
 def _run_server(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:

@@ -14,11 +14,15 @@ and layer, V its [:R] view), driven through the backend the way a DeepSeek-V2 la
 * finish and abort (before or after the first decode step) free every working-area page and
   mapping (``check_idle``).
 
-Everything runs on the CPU (the kernels in Triton's interpreter) at small shapes.
+Everything runs on the CPU (the kernels in Triton's interpreter) at small shapes; the ``gpu``
+cases repeat the greedy comparison on CUDA at DeepSeek-V2-Lite's layer shapes (16 heads on one
+512 + 64 latent row, 32-token pages), where the async schedule's side stream, the pinned host
+store and the compiled kernels run.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -36,11 +40,34 @@ from sglang_ext.memory_tier.tiered_pool import TieredMLAKVPool, plan_layout
 from fake_backend import DecodeMode
 from test_backend_mla import ExtendMode, MhaPrefillDelegate
 
-HQ, RANK, ROPE, QK_NOPE, V_HEAD = 4, 32, 16, 24, 16
-DIMS = RANK + ROPE
-PAGE, SINK, WINDOW = 4, 4, 8
-LAYERS = 2
-VOCAB = 64
+gpu = pytest.mark.gpu
+
+
+@dataclass(frozen=True)
+class MlaShape:
+    hq: int = 4
+    rank: int = 32  # kv_lora_rank R
+    rope: int = 16  # qk_rope_head_dim P
+    qk_nope: int = 24
+    v_head: int = 16
+    page: int = 4
+    sink: int = 4
+    window: int = 8
+    layers: int = 2
+    vocab: int = 64
+    device: str = "cpu"
+
+    @property
+    def dims(self) -> int:
+        return self.rank + self.rope
+
+
+SMALL = MlaShape()
+# DeepSeek-V2-Lite's attention layer; the server's sink / window at its 32-token pages.
+DEEPSEEK_V2_LITE_GPU = MlaShape(hq=16, rank=512, rope=64, qk_nope=128, v_head=128, page=32,
+                                sink=32, window=64, layers=3, vocab=256, device="cuda")
+# The small shape's names, for the round-trip test below.
+RANK, DIMS, PAGE, LAYERS = SMALL.rank, SMALL.dims, SMALL.page, SMALL.layers
 POISON = 77.0
 
 
@@ -59,12 +86,12 @@ class TierDecodeMode(DecodeMode):
         return True
 
 
-def _mla_pool(size: int, dtype: torch.dtype, **tier):
+def _mla_pool(size: int, dtype: torch.dtype, sh: MlaShape = SMALL, **tier):
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
     cls = TieredMLAKVPool if tier else MLATokenToKVPool
-    args = dict(page_size=PAGE, dtype=dtype, kv_lora_rank=RANK, qk_rope_head_dim=ROPE,
-                layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+    args = dict(page_size=sh.page, dtype=dtype, kv_lora_rank=sh.rank, qk_rope_head_dim=sh.rope,
+                layer_num=sh.layers, device=sh.device, enable_memory_saver=False)
     return cls(**args, **tier) if tier else cls(size, **args)
 
 
@@ -118,107 +145,122 @@ class TinyMlaModel:
     ``kv_a_proj`` / ``W_UK`` would give); logits = sum over layers of the latent outputs times
     a fixed matrix. Enough to make each next token depend on every layer's attention."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, sh: MlaShape = SMALL) -> None:
         gen = torch.Generator().manual_seed(1)
-        self.latent = torch.randn(LAYERS, VOCAB, 1, DIMS, generator=gen).to(dtype)
-        self.query = torch.randn(LAYERS, VOCAB, HQ, DIMS, generator=gen).to(dtype)
-        self.head = torch.randn(HQ * RANK, VOCAB, generator=gen)
+        # Unit-variance rows make large-head-dim logits sharp enough to give a near one-hot
+        # attention; scaled so the softmax stays spread over many tokens at any shape.
+        scale = (16 / sh.dims) ** 0.25
+        self.latent = (scale * torch.randn(sh.layers, sh.vocab, 1, sh.dims, generator=gen)).to(
+            device=sh.device, dtype=dtype)
+        self.query = (scale * torch.randn(sh.layers, sh.vocab, sh.hq, sh.dims,
+                                          generator=gen)).to(device=sh.device, dtype=dtype)
+        self.head = torch.randn(sh.hq * sh.rank, sh.vocab, generator=gen).to(sh.device)
 
 
 class Side:
     """One backend over one pool (tiered or plain), fed the same tokens."""
 
     def __init__(self, *, tier: str, impl: str, budget: int, dtype: torch.dtype,
-                 lens: list[int], steps: int, gpu_tokens: int) -> None:
-        max_context = -(-(max(lens) + steps + PAGE) // PAGE) * PAGE
+                 lens: list[int], steps: int, gpu_tokens: int, sh: MlaShape = SMALL) -> None:
+        self.sh = sh
+        page = sh.page
+        max_context = -(-(max(lens) + steps + page) // page) * page
         self.rows = list(range(1, len(lens) + 1))
         self.table = torch.zeros(len(lens) + 1, max_context, dtype=torch.int32)
-        candidates = dense_middle_blocks(budget, SINK, WINDOW, PAGE)
-        cfg = build_config(method="two_level", budget=budget, block_size=PAGE, sink=SINK,
-                           window=WINDOW, candidate_blocks=max(candidates, 1), impl=impl,
+        candidates = dense_middle_blocks(budget, sh.sink, sh.window, page)
+        cfg = build_config(method="two_level", budget=budget, block_size=page, sink=sh.sink,
+                           window=sh.window, candidate_blocks=max(candidates, 1), impl=impl,
                            tier=tier)
-        pages_per_row = max_context // PAGE
-        logical = (len(lens) * pages_per_row + 2) * PAGE
+        pages_per_row = max_context // page
+        logical = (len(lens) * pages_per_row + 2) * page
         if tier == "off":
-            self.pool = _mla_pool(logical, dtype)
+            self.pool = _mla_pool(logical, dtype, sh)
         else:
             _, k_blocks, _ = _selection_plan(selection_params(cfg), 1 << 30)
             layout = plan_layout(
-                device_tokens=0, host_tokens=logical - gpu_tokens, page_size=PAGE,
+                device_tokens=0, host_tokens=logical - gpu_tokens, page_size=page,
                 max_running_requests=len(lens), max_prefill_tokens=sum(lens),
-                num_slots=max(k_blocks, 1), sink=SINK, window=WINDOW,
-                summary_tokens_per_token=2 / PAGE, gpu_tokens=gpu_tokens)
-            self.pool = _mla_pool(0, dtype, layout=layout, mode=tier)
+                num_slots=max(k_blocks, 1), sink=sh.sink, window=sh.window,
+                summary_tokens_per_token=2 / page, gpu_tokens=gpu_tokens)
+            self.pool = _mla_pool(0, dtype, sh, layout=layout, mode=tier)
         # Each request owns whole logical pages, scattered (page 0 is the padding page): with
         # gpu_tokens > PAGE some are homed on the GPU and the rest on the host.
         gen = torch.Generator().manual_seed(2)
-        perm = torch.randperm(logical // PAGE - 1, generator=gen) + 1
-        offs = torch.arange(max_context) % PAGE
+        perm = torch.randperm(logical // page - 1, generator=gen) + 1
+        offs = torch.arange(max_context) % page
         for i, row in enumerate(self.rows):
             own = perm[i * pages_per_row:(i + 1) * pages_per_row]
-            self.table[row] = (own.repeat_interleave(PAGE) * PAGE + offs).int()
+            self.table[row] = (own.repeat_interleave(page) * page + offs).int()
+        self.table = self.table.to(sh.device)
         from sglang.srt.configs.model_config import AttentionArch
 
         runner = SimpleNamespace(
-            device="cpu", req_to_token_pool=SimpleNamespace(req_to_token=self.table),
+            device=sh.device, req_to_token_pool=SimpleNamespace(req_to_token=self.table),
             token_to_kv_pool=self.pool,
-            model_config=SimpleNamespace(attention_arch=AttentionArch.MLA, kv_lora_rank=RANK,
-                                         qk_rope_head_dim=ROPE, num_hidden_layers=LAYERS,
-                                         num_attention_heads=HQ),
-            server_args=SimpleNamespace(page_size=PAGE, enable_metrics=False), dtype=dtype)
+            model_config=SimpleNamespace(attention_arch=AttentionArch.MLA, kv_lora_rank=sh.rank,
+                                         qk_rope_head_dim=sh.rope, num_hidden_layers=sh.layers,
+                                         num_attention_heads=sh.hq),
+            server_args=SimpleNamespace(page_size=page, enable_metrics=False), dtype=dtype)
         self.backend = SparseDecodeBackend(runner, cfg)
-        self.backend._dense = MhaPrefillDelegate(V_HEAD)
+        self.backend._dense = MhaPrefillDelegate(sh.v_head)
         self.lens = list(lens)
-        self.scaling = (QK_NOPE + ROPE) ** -0.5
+        self.scaling = (sh.qk_nope + sh.rope) ** -0.5
         from sglang.srt.layers.radix_attention import AttentionType
 
-        common = dict(tp_q_head_num=HQ, scaling=self.scaling, is_cross_attention=False,
+        common = dict(tp_q_head_num=sh.hq, scaling=self.scaling, is_cross_attention=False,
                       attn_type=AttentionType.DECODER, sliding_window_size=-1)
-        self.attn_mha = [SimpleNamespace(layer_id=i, tp_k_head_num=HQ, qk_head_dim=QK_NOPE + ROPE,
-                                         v_head_dim=V_HEAD, **common) for i in range(LAYERS)]
-        self.attn_mqa = [SimpleNamespace(layer_id=i, tp_k_head_num=1, qk_head_dim=DIMS,
-                                         v_head_dim=RANK, **common) for i in range(LAYERS)]
+        self.attn_mha = [SimpleNamespace(layer_id=i, tp_k_head_num=sh.hq,
+                                         qk_head_dim=sh.qk_nope + sh.rope, v_head_dim=sh.v_head,
+                                         **common) for i in range(sh.layers)]
+        self.attn_mqa = [SimpleNamespace(layer_id=i, tp_k_head_num=1, qk_head_dim=sh.dims,
+                                         v_head_dim=sh.rank, **common)
+                         for i in range(sh.layers)]
 
     def prefill(self, model: TinyMlaModel, prompts: list[list[int]], writer: str) -> None:
-        rows = torch.tensor(self.rows)
+        sh, dev = self.sh, self.sh.device
+        rows = torch.tensor(self.rows, device=dev)
         loc = torch.cat([self.table[r, :n] for r, n in zip(self.rows, self.lens)]).long()
-        tokens = torch.tensor([t for p in prompts for t in p])
-        seq = torch.tensor(self.lens)
+        tokens = torch.tensor([t for p in prompts for t in p], device=dev)
+        seq = torch.tensor(self.lens, device=dev)
+        seq_cpu = torch.tensor(self.lens)
         extend = SimpleNamespace(
-            forward_mode=ExtendMode(), req_pool_indices=rows, seq_lens=seq, seq_lens_cpu=seq,
+            forward_mode=ExtendMode(), req_pool_indices=rows, seq_lens=seq, seq_lens_cpu=seq_cpu,
             extend_seq_lens_cpu=list(self.lens), extend_prefix_lens_cpu=[0] * len(self.lens),
             extend_prefix_lens=torch.zeros_like(seq), extend_seq_lens=seq, out_cache_loc=loc,
             encoder_lens=None)
         self.backend.init_forward_metadata(extend)  # the tier stages the prompt pages here
         n = loc.shape[0]
-        mha = HQ * (QK_NOPE + ROPE)
-        for layer in range(LAYERS):
+        mha = sh.hq * (sh.qk_nope + sh.rope)
+        for layer in range(sh.layers):
             # The model writes the latent rows itself, then runs the MHA-path attention.
             latent = model.latent[layer, tokens]
             if writer == "set_mla_kv_buffer":
-                self.pool.set_mla_kv_buffer(self.attn_mha[layer], loc, latent[..., :RANK],
-                                            latent[..., RANK:])
+                self.pool.set_mla_kv_buffer(self.attn_mha[layer], loc, latent[..., :sh.rank],
+                                            latent[..., sh.rank:])
             else:
                 self.pool.set_kv_buffer(self.attn_mha[layer], loc, latent, None)
-            self.backend.forward_extend(torch.zeros(n, mha), torch.zeros(n, mha),
-                                        torch.zeros(n, HQ * V_HEAD), self.attn_mha[layer],
+            zeros = dict(device=dev, dtype=latent.dtype)
+            self.backend.forward_extend(torch.zeros(n, mha, **zeros), torch.zeros(n, mha, **zeros),
+                                        torch.zeros(n, sh.hq * sh.v_head, **zeros),
+                                        self.attn_mha[layer],
                                         extend, save_kv_cache=False)
 
     def decode(self, model: TinyMlaModel, tokens: list[int]) -> tuple[list[int], list]:
         """One step for every request: the tokens it emits and each layer's outputs."""
+        sh, dev = self.sh, self.sh.device
         self.lens = [n + 1 for n in self.lens]
-        seq = torch.tensor(self.lens)
+        seq = torch.tensor(self.lens, device=dev)
         new_loc = torch.stack([self.table[r, n - 1] for r, n in zip(self.rows, self.lens)]).long()
         batch = SimpleNamespace(forward_mode=TierDecodeMode(), batch_size=len(self.rows),
-                                req_pool_indices=torch.tensor(self.rows), seq_lens=seq,
-                                seq_lens_cpu=seq, out_cache_loc=new_loc)
+                                req_pool_indices=torch.tensor(self.rows, device=dev), seq_lens=seq,
+                                seq_lens_cpu=torch.tensor(self.lens), out_cache_loc=new_loc)
         self.backend.init_forward_metadata(batch)
-        tok = torch.tensor(tokens)
-        logits = torch.zeros(len(tokens), VOCAB)
+        tok = torch.tensor(tokens, device=dev)
+        logits = torch.zeros(len(tokens), sh.vocab, device=dev)
         outs = []
-        for layer in range(LAYERS):
+        for layer in range(sh.layers):
             k_new = model.latent[layer, tok]
-            out = self.backend.forward_decode(model.query[layer, tok], k_new, k_new[..., :RANK],
+            out = self.backend.forward_decode(model.query[layer, tok], k_new, k_new[..., :sh.rank],
                                               self.attn_mqa[layer], batch)
             outs.append(out)
             logits += out.float() @ model.head
@@ -231,12 +273,12 @@ class Side:
 
 
 def _greedy(*, tier: str, impl: str, budget: int, dtype: torch.dtype, lens: list[int],
-            steps: int, writer: str, gpu_tokens: int = PAGE) -> None:
-    model = TinyMlaModel(dtype)
+            steps: int, writer: str, gpu_tokens: int = PAGE, sh: MlaShape = SMALL) -> None:
+    model = TinyMlaModel(dtype, sh)
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lens]
+    prompts = [torch.randint(0, sh.vocab, (n,), generator=gen).tolist() for n in lens]
     sides = [Side(tier=t, impl=impl, budget=budget, dtype=dtype, lens=lens, steps=steps,
-                  gpu_tokens=gpu_tokens) for t in (tier, "off")]
+                  gpu_tokens=gpu_tokens, sh=sh) for t in (tier, "off")]
     for side in sides:
         side.prefill(model, prompts, writer)
     tiered = sides[0].pool
@@ -284,6 +326,33 @@ def test_greedy_decode_reference_tier_equals_no_tier():
             steps=4, writer="set_kv_buffer")
 
 
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_gpu_deepseek_v2_lite_shapes_tier_equals_no_tier_budget_above_context(mode: str) -> None:
+    """The CPU tier on CUDA at the mla-e2e server's layer shapes and budget (2048): prompt rows
+    written through to the pinned host store by set_mla_kv_buffer, most logical pages homed on
+    the host, working sets filled by the compiled gather on the side stream under ``async``;
+    three requests, the longest reaching the budget on its last step (its last middle block
+    in the recent-window ring). Bit-equal outputs at every step and layer against a plain MLA
+    pool holding everything."""
+    sh = DEEPSEEK_V2_LITE_GPU
+    _greedy(tier=mode, impl="triton", budget=2048, dtype=torch.bfloat16,
+            lens=[2008, 1536, 700], steps=40, writer="set_mla_kv_buffer",
+            gpu_tokens=8 * sh.page, sh=sh)
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_deepseek_v2_lite_shapes_sync_tier_equals_no_tier_small_budget() -> None:
+    """Sparse two_level selection (budget 512 of up to 2.1k tokens) over blocks fetched into the
+    working sets on CUDA: the same tokens and outputs as the untiered pool."""
+    sh = DEEPSEEK_V2_LITE_GPU
+    _greedy(tier="sync", impl="triton", budget=512, dtype=torch.bfloat16,
+            lens=[2100, 1300], steps=24, writer="set_mla_kv_buffer", gpu_tokens=8 * sh.page,
+            sh=sh)
+
+
 # ------------------------------------------------------------------- finish / abort
 
 
@@ -296,7 +365,7 @@ def test_finish_and_abort_free_every_slot():
                 gpu_tokens=PAGE)
     pool = side.pool
     gen = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lens]
+    prompts = [torch.randint(0, SMALL.vocab, (n,), generator=gen).tolist() for n in lens]
     total = pool.work.num_pages
     side.prefill(model, prompts, "set_mla_kv_buffer")
     assert pool.work.available < total and pool._staged
