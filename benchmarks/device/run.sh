@@ -2,7 +2,7 @@
 # One self-contained run on the GPU host (see ../shared/gpu/README.md): unpack the SGLang bundle,
 # install this repo, then the named steps. Results land in $OUT (or benchmarks/results).
 # Usage: bash benchmarks/device/run.sh COMMIT STEP...
-#   steps: env fi-warmup gputests clock operator mla-operator tier fluxion transfer server e2e soak capacity
+#   steps: env fi-warmup fi-wait gputests clock operator mla-operator tier fluxion transfer server e2e soak capacity
 #   locality tp2-greedy mla-e2e (tp2-greedy: on nvidia-h200-x2)
 # Wheels in .whl/ (carried, git-ignored; e.g. prometheus_client for --enable-metrics, which the
 # bundle lacks) are installed first.
@@ -16,6 +16,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . 2>&1 | tail -3
 status=0
+warmups=()
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
@@ -24,7 +25,9 @@ for step in "$@"; do
       python3 -c "import torch, triton, sglang, flashinfer; print(torch.__version__, triton.__version__, flashinfer.__version__)"
       python3 -c "from importlib.metadata import entry_points as e; print(e(group='sglang.srt.plugins'))" ;;
     gputests)
-      python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tail -25 || status=1 ;;
+      python3 -m pytest -q -rfE -m gpu tests/ -p no:cacheprovider ${GPUTESTS_ARGS:-} 2>&1 \
+        | tee "$OUT/gputests.log" | tail -25
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     operator)
       python3 benchmarks/bench_operator.py --check --out "$OUT" ${OPERATOR_ARGS:-} || status=1 ;;
     mla-operator)
@@ -139,27 +142,38 @@ for step in "$@"; do
       # FlashInfer JIT-compiles its kernels at a server's first start (~5 min on a fresh
       # machine). The cache (~/.cache/flashinfer) outlives the call while the machine is held,
       # so FlashInfer servers of a later call (flashinfer, sglang_ext_*_fi) start in ~1.5 min.
-      # A small FlashInfer server of the same model starts in the background beside the next
-      # steps (it takes 0.3 of the GPU's memory: only beside light steps such as gputests,
-      # clock, operator, mla-operator) and stops once healthy; the script waits for it.
-      (
-        setsid python3 -m sglang.launch_server --model-path .gpu/models/qwen3-8b-shape \
-          --tokenizer-path .gpu/models/tokenizer --load-format dummy --sampling-backend pytorch \
-          --grammar-backend none --attention-backend flashinfer --context-length 8192 \
-          --mem-fraction-static 0.3 --cuda-graph-max-bs 16 --cuda-graph-backend-prefill disabled \
-          --host 127.0.0.1 --port 30123 > "$OUT/fi_warmup.log" 2>&1 &
-        server=$!
-        for _ in $(seq 160); do
-          sleep 3
-          python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:30123/health_generate', timeout=5)" \
-            2>/dev/null && { echo "fi-warmup: healthy"; break; }
-          kill -0 $server 2>/dev/null || { echo "fi-warmup: server exited"; break; }
-        done
-        kill -- -$server 2>/dev/null; wait $server 2>/dev/null
-      ) &
-      warmup=$! ;;
+      # A small FlashInfer server of each model in $FI_WARMUP_MODELS (default: the Qwen3-8B
+      # shape; add benchmarks/models/deepseek-v2-lite-shape for FlashInfer's MLA kernels, which
+      # mla-e2e's baseline uses) starts in the background beside the next steps (0.3 of the
+      # GPU's memory each: only beside light steps such as gputests, clock, operator,
+      # mla-operator) and stops once healthy; the script waits for them.
+      port=30123
+      warmups=()
+      for model in ${FI_WARMUP_MODELS:-.gpu/models/qwen3-8b-shape}; do
+        name=$(basename "$model")
+        (
+          setsid python3 -m sglang.launch_server --model-path "$model" \
+            --tokenizer-path .gpu/models/tokenizer --load-format dummy --sampling-backend pytorch \
+            --grammar-backend none --attention-backend flashinfer --context-length 8192 \
+            --mem-fraction-static 0.3 --cuda-graph-max-bs 16 --cuda-graph-backend-prefill disabled \
+            --host 127.0.0.1 --port $port > "$OUT/fi_warmup_$name.log" 2>&1 &
+          server=$!
+          for _ in $(seq 160); do
+            sleep 3
+            python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health_generate', timeout=5)" \
+              2>/dev/null && { echo "fi-warmup $name: healthy"; break; }
+            kill -0 $server 2>/dev/null || { echo "fi-warmup $name: server exited"; tail -5 "$OUT/fi_warmup_$name.log"; break; }
+          done
+          kill -- -$server 2>/dev/null; wait $server 2>/dev/null
+        ) &
+        warmups+=($!)
+        port=$((port + 1))
+      done ;;
+    fi-wait)
+      # the warm-up servers hold GPU memory: a heavy step after fi-warmup waits for them
+      [ ${#warmups[@]} -gt 0 ] && wait "${warmups[@]}"; warmups=() ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
 done
-[ -n "${warmup:-}" ] && wait "$warmup"
+[ ${#warmups[@]} -gt 0 ] && wait "${warmups[@]}"
 exit $status
