@@ -148,7 +148,11 @@ def test_kernel_decode_with_cooperation_equals_the_untiered_decode(method, where
         run.prefill()
         for step in range(run.steps):
             for layer, (got, want) in enumerate(run.decode_step()):
-                torch.testing.assert_close(got.float(), want.float(), atol=8e-3, rtol=0,
+                # One bf16 step of the output (relative 2^-7) apart at most: the CPU's part is
+                # merged by LSE in float32 and rounded once more. On the H200 at the served
+                # head shapes (outputs up to ~3) the largest difference was one such step
+                # (0.0156 at 2.36), the tier alone without cooperation was bit-exact.
+                torch.testing.assert_close(got.float(), want.float(), atol=8e-3, rtol=2 ** -7,
                                            msg=f"{method}: step {step} layer {layer}")
         run.finish()
     finally:
