@@ -66,8 +66,13 @@ QUICK = dict(tasks=["passkey"], contexts=[1024], methods=["two_level"], budgets=
 PREFILL_KNEE = 8192.0
 DECODE_KNEE = 3072.0
 # Server flags for the suite: no prefill chunking up to the largest context (torch_native's
-# extend recomputes attention over the whole prefix for every chunk).
-SUITE_SERVER_ARGS = ["--chunked-prefill-size", "8192", "--max-running-requests", "64"]
+# extend recomputes attention over the whole prefix for every chunk). An explicit memory
+# fraction: SGLang's automatic one reserves 1.5 MB per chunked-prefill token against the
+# smallest NUMA node's MemTotal, which some VMs report at half the machine's memory (12.5 of
+# 24 GB seen here), and then comes out negative (-0.039) and stops start-up. The KV pool is
+# capped by --max-total-tokens (tests/server_utils.CPU_ARGS) either way.
+SUITE_SERVER_ARGS = ["--chunked-prefill-size", "8192", "--max-running-requests", "64",
+                     "--mem-fraction-static", "0.8"]
 
 
 def sparse_server_args(block_size: int, dense_decode: str = "float32",
