@@ -1,7 +1,8 @@
 """ReqToTokenPool: record each request's sparse settings under its row; forget them (and release
 the CPU tier's device pages of the row) on free.
 
-``free`` is the single point every exit (finish, abort, retract) goes through.
+``free`` is the single point every exit (finish, abort, retract) goes through. ``write`` is
+watched for the radix cache's dedup, which re-points a prefilled row at pages it already holds.
 """
 
 from __future__ import annotations
@@ -29,7 +30,27 @@ def _before_free(pool: Any, req: Any, *args: Any, **kwargs: Any) -> None:
         tiered.release_row(req.req_pool_idx, pool.req_to_token)
 
 
+def _before_write(pool: Any, indices: Any, values: Any, *args: Any, **kwargs: Any) -> None:
+    from sglang_ext.memory_tier.tiered_pool import active_pool
+
+    tiered = active_pool()
+    if tiered is None or not isinstance(indices, tuple) or len(indices) != 2:
+        return
+    row, cols = indices
+    if not isinstance(cols, slice) or cols.step not in (None, 1) or not hasattr(values, "numel"):
+        return
+    start = cols.start or 0
+    n = values.numel()
+    if n == 0:
+        return
+    # The radix cache's dedup re-points a prompt's pages at equal ones it already holds: the
+    # tier's copies of those blocks must follow (TieredPool.repoint_pages).
+    tiered.repoint_pages(int(row), start, pool.req_to_token[int(row), start:start + n].clone(),
+                         values)
+
+
 HOOKS = (
     ("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc", _after_alloc, "AFTER"),
     ("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free", _before_free, "BEFORE"),
+    ("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.write", _before_write, "BEFORE"),
 )

@@ -158,16 +158,23 @@ def test_locality_variants_use_the_shared_share_of_the_selected_blocks(tmp_path)
     heads = tmp_path / "heads.safetensors"
     save_eviction_heads(EvictionHeads(1, 1, 4), heads, model="tiny")
     base = build_config(eviction_head=str(heads))
-    settings = R.sparse_settings(["locality", "locality_learned"], [64, 128, 256], block_size=4)
+    methods = ["locality", "locality_learned", "locality_wide", "locality_attention"]
+    settings = R.sparse_settings(methods, [64, 128, 256], block_size=4)
+    score = {"locality": "key_norm", "locality_learned": "learned", "locality_wide": "key_norm",
+             "locality_attention": "attention"}
     for st in settings[1:]:
         sel = parse_override(st.custom_params, base)
         middle_blocks = (sel.budget - sel.sink - sel.window) // 4
         assert sel.method == "two_level"
         assert sel.locality_blocks == int(middle_blocks * LOCALITY_SHARE) > 0
-        assert sel.candidate_blocks == 2 * (middle_blocks - sel.locality_blocks)
-        assert sel.eviction_score == ("learned" if st.method == "locality_learned" else "key_norm")
+        # locality_wide keeps the automatic filter: twice the whole middle
+        assert sel.candidate_blocks == 2 * (middle_blocks if st.method == "locality_wide"
+                                            else middle_blocks - sel.locality_blocks)
+        assert sel.eviction_score == score[st.method]
+        assert R.WHOLE_MIDDLE_FILTER not in st.custom_params["sparse"]
+    learned = next(st for st in settings if st.method == "locality_learned")
     with pytest.raises(ValueError, match="eviction-head"):  # a server without heads: a 400
-        parse_override(settings[-1].custom_params, build_config())
+        parse_override(learned.custom_params, build_config())
 
 
 def test_endpoint_adds_custom_params(monkeypatch):

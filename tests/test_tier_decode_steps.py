@@ -244,3 +244,56 @@ def test_gpu_server_shapes_budget_above_the_context_decodes_exactly(mode: str) -
         for layer, (got, want) in enumerate(run.decode_step()):
             assert torch.equal(got, want), f"{mode}: step {step} layer {layer}"
     run.finish()
+
+
+def _held_copies(run: Run, row: int, blocks: list[int]) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """What SGLang's radix dedup does to ``blocks`` of ``row`` after its prefill: pages the
+    cache already holds (here: unused logical pages whose KV another request computed, a bit
+    off this one's) replace the row's freshly written pages. Their home copies and the oracle's
+    plain pool get that KV; returns (start, old slots, new slots) of the rewrite."""
+    ps, pool = run.shape.page_size, run.pool
+    used = set((run.req_to_token[1:, ::ps] // ps).flatten().tolist())
+    spare = [lp for lp in range(pool.layout.gpu_pages, pool.layout.logical_tokens // ps)
+             if lp not in used][:len(blocks)]
+    assert len(spare) == len(blocks)
+    start, end = blocks[0] * ps, (blocks[-1] + 1) * ps
+    old = run.req_to_token[row, start:end].clone()
+    new = torch.cat([lp * ps + torch.arange(ps) for lp in spare]).to(old)
+    for layer in range(run.shape.layers):
+        for plain in (run.plain_k[layer], run.plain_v[layer]):
+            plain[new.long()] = plain[old.long()] + 0.125
+        pool.host.write(layer, pool.host_slots(new), run.plain_k[layer][new.long()],
+                        run.plain_v[layer][new.long()])
+        update_block_summaries(*run.summaries[layer], run.plain_k[layer][new.long()], new, ps)
+    return start, old, new
+
+
+@pytest.mark.parametrize("when", ["before_decoding", "after_start_decoding"])
+def test_radix_dedup_repoints_a_prefilled_rows_blocks(when: str) -> None:
+    """SGLang's cache_unfinished_req re-points a prefilled row's pages at equal pages the radix
+    cache already holds and frees the row's own (ReqToTokenPool.write, hooked): the tier's
+    copies of those blocks (staged pages; after start_decoding, as under the overlap scheduler:
+    ring pages and working-set slots) must take the held pages' KV and nothing may stay
+    translated to the freed pages. A soak run on the CPU found the ring copy of such a block
+    differing from its home (SGLANG_EXT_TIER_VERIFY=2) and the freed page still translated."""
+    ps, sink, window = SMALL.page_size, SMALL.sink, SMALL.window
+    params = SelectionParams("two_level", 96, ps, dense_middle_blocks(96, sink, window, ps),
+                             sink, window)
+    run = Run(params, "sync", prompt_lens=[44, 30], steps=6)
+    run.prefill()
+    pool, row = run.pool, 1
+    if when == "after_start_decoding":
+        pool.start_decoding(run.req_to_token, row)
+    # the prompt's last blocks (in the window ring) and one before them (a middle block,
+    # preloaded into a working-set slot)
+    blocks = [7, 8, 9, 10]
+    start, old, new = _held_copies(run, row, blocks)
+    pool.repoint_pages(row, start, old, new)
+    run.req_to_token[row, start:start + new.numel()] = new  # SGLang's write itself
+    freed = (old[::ps] // ps).long()
+    assert bool((pool.dev_page_of_lp[freed] < 0).all())
+    for step in range(run.steps):
+        for layer, (got, want) in enumerate(run.decode_step()):  # verify_mappings inside
+            assert torch.equal(got, want), f"{when}: step {step} layer {layer}"
+    assert bool((pool.dev_page_of_lp[freed] < 0).all())
+    run.finish()

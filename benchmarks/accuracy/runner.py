@@ -47,6 +47,9 @@ METHODS = ("quest", "ds", "two_level")
 # locality run (benchmarks/e2e_serving.py, sglang_ext_tier_locality) uses the same setting, so
 # its bytes per step and these rows describe one thing; γ(t) >= ~LOCALITY_SHARE.
 SHARE_OF_MIDDLE = "share_of_middle"
+# A variant key the runner consumes (never sent): keep the automatic block filter (sized for the
+# whole middle) instead of one sized for the query-aware rest.
+WHOLE_MIDDLE_FILTER = "whole_middle_filter"
 VARIANTS = {
     "output_aware": {"method": "two_level", "scoring": "output_aware"},
     "head_policy": {"method": "two_level", "head_policy": True},
@@ -54,6 +57,14 @@ VARIANTS = {
                  "eviction_score": "key_norm"},
     "locality_learned": {"method": "two_level", "head_policy": False,
                          "locality_blocks": SHARE_OF_MIDDLE, "eviction_score": "learned"},
+    # The two factors of the locality rows' accuracy loss, one at a time (issue 7): the key_norm
+    # score with the automatic filter, and the attention score (reference decode only) with the
+    # narrow filter.
+    "locality_wide": {"method": "two_level", "head_policy": False,
+                      "locality_blocks": SHARE_OF_MIDDLE, "eviction_score": "key_norm",
+                      WHOLE_MIDDLE_FILTER: True},
+    "locality_attention": {"method": "two_level", "head_policy": False,
+                           "locality_blocks": SHARE_OF_MIDDLE, "eviction_score": "attention"},
 }
 ALL_METHODS = METHODS + tuple(VARIANTS)
 DENSE = "dense"
@@ -151,10 +162,13 @@ def sparse_settings(methods: Sequence[str], budgets: Sequence[int], block_size: 
         for b in budgets:
             s, w = shrunk_sink_window(b, sink, window)
             sparse = {**how, "budget": b, "block_size": block_size, "sink": s, "window": w}
+            whole_middle = sparse.pop(WHOLE_MIDDLE_FILTER, False)
             if sparse.get("locality_blocks") == SHARE_OF_MIDDLE:
                 k_e = locality_blocks_for_share(locality_share, b, s, w, block_size)
                 sparse["locality_blocks"] = k_e
-                sparse["candidate_blocks"] = locality_candidate_blocks(k_e, b, s, w, block_size)
+                if not whole_middle:
+                    sparse["candidate_blocks"] = locality_candidate_blocks(k_e, b, s, w,
+                                                                           block_size)
             out.append(Setting(m, b, {"sparse": sparse}))
     return out
 
@@ -520,7 +534,8 @@ def render_plot(doc: dict, path: str) -> None:
     refs = sorted({r["method"] for r in rows if r["budget"] == 0 and r["method"] != DENSE})
     colors = {"quest": "tab:blue", "ds": "tab:orange", "two_level": "tab:green",
               "output_aware": "tab:red", "head_policy": "tab:purple", "locality": "tab:brown",
-              "locality_learned": "tab:pink"}
+              "locality_learned": "tab:pink", "locality_wide": "tab:olive",
+              "locality_attention": "tab:cyan"}
 
     def get(task, ctx, method, budget):
         if task == "mean":

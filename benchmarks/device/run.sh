@@ -49,6 +49,7 @@ for step in "$@"; do
       python3 benchmarks/e2e_serving.py --out "$OUT" --configs ${E2E_CONFIGS:-flashinfer sglang_ext} \
         --input-len ${E2E_INPUT:-32768} --output-len "${E2E_OUTPUT:-512}" \
         --num-prompts "${E2E_PROMPTS:-16}" --concurrency "${E2E_PROMPTS:-16}" \
+        --warmup-requests "${E2E_WARMUP:-1}" \
         --extra "--mem-fraction-static 0.75" || status=1 ;;
     soak)
       # >= 200 requests of 1k-128k tokens, ~10 % aborted, CPU tier on, metrics on; decisive dummy

@@ -502,6 +502,98 @@ class TieredPool:
         state.decoding = True
         self._publish_occupancy()
 
+    def repoint_pages(self, row: int, start: int, old_slots: Tensor, new_slots: Tensor) -> None:
+        """SGLang is about to rewrite ``req_to_token[row, start:start + n]`` from ``old_slots`` to
+        ``new_slots``. The one rewrite of slots the tier has already placed is the radix cache's
+        dedup (``cache_unfinished_req`` after a prefill chunk): prompt pages equal to pages it
+        already holds are freed and the row re-pointed at the held ones. Each re-pointed block
+        must then read its new page's KV (its home: the held copy, computed by another request)
+        and nothing may stay translated to the freed page, which the allocator hands out
+        again. Blocks of rows the tier does not track, and tokens not yet written (new prompt
+        tokens, decode tokens: their old values are stale), are not re-points."""
+        state = self.rows.get(row)
+        if state is None or old_slots.numel() == 0:
+            return
+        ps, gp = self.layout.page_size, self.layout.gpu_pages
+        first = -(-start // ps) * ps  # whole pages only: the cache dedups page-aligned keys
+        offs = torch.arange(first - start, min(old_slots.numel(), state.written - start), ps)
+        if offs.numel() == 0:
+            return
+        old = (old_slots[offs.to(old_slots.device)].long() // ps).tolist()
+        new = (new_slots.reshape(-1)[offs.to(new_slots.device)].long() // ps).tolist()
+        changed = [(int(start + o) // ps, a, b) for o, a, b in zip(offs.tolist(), old, new)
+                   if a != b]
+        for j, old_lp, new_lp in changed:
+            if state.decoding:
+                self._repoint_decoding_block(row, state, j, old_lp, new_lp)
+            else:
+                self._repoint_staged_block(state, j, old_lp, new_lp)
+        if changed and not state.decoding:
+            self._publish_staging(state)
+            n = new_slots.numel()
+            self.dev_req_to_token[row, start:start + n] = self.translate(
+                new_slots.reshape(-1).to(self.device)).to(torch.int32)
+
+    def _repoint_staged_block(self, state: RowState, j: int, old_lp: int, new_lp: int) -> None:
+        """A block of a row still prefilling (or not yet decoding): stage the held page in place
+        of the freed one, loaded from its home (it holds data)."""
+        gp = self.layout.gpu_pages
+        if state.staged.get(j) == old_lp:
+            self._unstage_one(state.staged.pop(j))
+        if new_lp < gp:
+            return  # a GPU-homed page is read where it is
+        entry = self._staged.get(new_lp)
+        if entry is None:
+            entry = self._staged[new_lp] = [self.work.alloc(1)[0], 0]
+            self._load_pages([(new_lp - gp, entry[0])])
+        entry[1] += 1
+        state.staged[j] = new_lp
+
+    def _repoint_decoding_block(self, row: int, state: RowState, j: int, old_lp: int,
+                                new_lp: int) -> None:
+        """A block of a decoding row (start_decoding ran before the dedup, as under the overlap
+        scheduler): every device copy of it (sink or ring page, working-set slots) takes the
+        held page's KV; a block that was read in place (GPU-homed freed page) gets its sink or
+        ring page, or, in the middle, is fetched again when selected."""
+        gp, lay = self.layout.gpu_pages, self.layout
+        pm = self.tier.page_maps[row, :, :, j]  # [layers, kv heads]
+        own = None  # this row's sink / ring page for the block
+        r = j % lay.ring_pages if state.ring else 0
+        if j < len(state.sink):
+            own = state.sink[j]
+        elif state.ring and int(self.ring_block_t[row, r]) == j:
+            own = state.ring[r]
+        elif (state.ring and old_lp < gp and int(self.ring_block_t[row, r]) < 0
+              and j >= -(-state.written // self.layout.page_size) - lay.ring_pages):
+            # a GPU-homed window block (read in place, no ring page): it takes its ring page
+            own = state.ring[r]
+            self.ring_block_t[row, r] = j
+        if old_lp < gp and bool((pm == old_lp).any()):
+            # read in place until now: the freed page may be reused by anyone
+            pm.masked_fill_(pm == old_lp, -1 if own is None else own)
+        translated = int(self.dev_page_of_lp[old_lp])
+        if translated >= 0:
+            self.dev_page_of_lp[old_lp] = -1
+        if new_lp < gp:
+            # the held copy is on the GPU: read it in place; free the row's copies
+            slots = self.tier.slot_block[row]
+            slots.masked_fill_(slots == j, -1)
+            pm.fill_(new_lp)
+            if own is not None and j >= len(state.sink):
+                self.ring_block_t[row, j % lay.ring_pages] = -1
+            return
+        layers, heads = pm.shape
+        for layer in range(layers):
+            dst = pm[layer]
+            mapped = dst >= 0
+            if not bool(mapped.any()):
+                continue
+            h = torch.arange(heads, dtype=torch.int32, device=self.device)[mapped]
+            src = torch.full_like(h, new_lp - gp)
+            self.host.load(layer, h, src, dst[mapped].to(torch.int32), *self.tier_buffers(layer))
+        if own is not None:
+            self.dev_page_of_lp[new_lp] = own
+
     def pending_rows(self) -> set[int]:
         """Rows that went through prefill and have not decoded yet."""
         return {row for row, st in self.rows.items() if not st.decoding}
