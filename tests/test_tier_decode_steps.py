@@ -176,37 +176,26 @@ class Run:
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 @pytest.mark.parametrize("method", ["two_level", "quest"])
-def test_budget_above_the_context_decodes_exactly(mode: str, method: str) -> None:
+@pytest.mark.parametrize("lens, steps", [([68, 23], 14), ([92, 40], 4)])
+def test_budget_above_the_context_decodes_exactly(mode: str, method: str, lens: list[int],
+                                                  steps: int) -> None:
+    """The second case reaches the budget (contexts of 93..96 tokens at budget 96, still dense):
+    the last middle block shares its page with the window's first tokens (in the recent-window
+    ring) and needs a working-set slot too. With one candidate block fewer than
+    config.dense_middle_blocks (what it allowed before) the tier dropped a middle block the
+    untiered dense decode attends."""
     ps, sink, window = SMALL.page_size, SMALL.sink, SMALL.window
     # two_level: the fewest candidate blocks the tier accepts (config.dense_middle_blocks)
     candidates = dense_middle_blocks(96, sink, window, ps) if method == "two_level" else 1
     params = SelectionParams(method, 96, ps, candidates, sink, window)
-    run = Run(params, mode, prompt_lens=[68, 23], steps=14)
+    run = Run(params, mode, prompt_lens=lens, steps=steps)
     run.prefill()
     for step in range(run.steps):
         for layer, (got, want) in enumerate(run.decode_step()):
             assert torch.equal(got, want), f"{mode} {method}: step {step} layer {layer}"
+    assert max(run.lens) <= 96
     stats = run.pool.tier.read_stats()
     assert stats["transferred_blocks"] > 0  # blocks leaving the ring were fetched into slots
-    run.finish()
-
-
-@pytest.mark.parametrize("mode", ["async", "sync"])
-@pytest.mark.parametrize("method", ["two_level", "quest"])
-def test_a_context_reaching_the_budget_decodes_exactly(mode: str, method: str) -> None:
-    """Contexts of 93..96 tokens at budget 96, still dense: the last middle block shares its page
-    with the window's first tokens (in the recent-window ring) and needs a working-set slot too.
-    With one candidate block fewer than config.dense_middle_blocks (what it allowed before) the
-    tier dropped a middle block the untiered dense decode attends."""
-    ps, sink, window = SMALL.page_size, SMALL.sink, SMALL.window
-    candidates = dense_middle_blocks(96, sink, window, ps) if method == "two_level" else 1
-    params = SelectionParams(method, 96, ps, candidates, sink, window)
-    run = Run(params, mode, prompt_lens=[92, 40], steps=4)
-    run.prefill()
-    for step in range(run.steps):
-        for layer, (got, want) in enumerate(run.decode_step()):
-            assert torch.equal(got, want), f"{mode} {method}: step {step} layer {layer}"
-    assert max(run.lens) == 96
     run.finish()
 
 
