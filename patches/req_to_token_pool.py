@@ -37,16 +37,15 @@ def _before_write(pool: Any, indices: Any, values: Any, *args: Any, **kwargs: An
     if tiered is None or not isinstance(indices, tuple) or len(indices) != 2:
         return
     row, cols = indices
-    if not isinstance(cols, slice) or cols.step not in (None, 1) or not hasattr(values, "numel"):
-        return
-    start = cols.start or 0
-    n = values.numel()
-    if n == 0:
+    # SGLang's rewrites of a row's prompt slots come as (req_pool_idx, slice); other forms (the
+    # decode path's per-token writes) place nothing the tier has copied yet.
+    if (not isinstance(row, int) or not isinstance(cols, slice) or cols.step not in (None, 1)
+            or not hasattr(values, "numel")):
         return
     # The radix cache's dedup re-points a prompt's pages at equal ones it already holds: the
-    # tier's copies of those blocks must follow (TieredPool.repoint_pages).
-    tiered.repoint_pages(int(row), start, pool.req_to_token[int(row), start:start + n].clone(),
-                         values)
+    # tier's copies of those blocks must follow (TieredPool.repoint_pages; it reads the old
+    # slots, this hook runs before the write).
+    tiered.repoint_pages(row, cols.start or 0, pool.req_to_token, values)
 
 
 HOOKS = (

@@ -277,7 +277,7 @@ def test_radix_dedup_repoints_a_prefilled_rows_blocks(when: str) -> None:
     # preloaded into a working-set slot)
     blocks = [7, 8, 9, 10]
     start, old, new = _held_copies(run, row, blocks)
-    pool.repoint_pages(row, start, old, new)
+    pool.repoint_pages(row, start, run.req_to_token, new)
     run.req_to_token[row, start:start + new.numel()] = new  # SGLang's write itself
     freed = (old[::ps] // ps).long()
     assert bool((pool.dev_page_of_lp[freed] < 0).all())

@@ -502,9 +502,9 @@ class TieredPool:
         state.decoding = True
         self._publish_occupancy()
 
-    def repoint_pages(self, row: int, start: int, old_slots: Tensor, new_slots: Tensor) -> None:
-        """SGLang is about to rewrite ``req_to_token[row, start:start + n]`` from ``old_slots`` to
-        ``new_slots``. The one rewrite of slots the tier has already placed is the radix cache's
+    def repoint_pages(self, row: int, start: int, req_to_token: Tensor, new_slots: Tensor) -> None:
+        """SGLang is about to rewrite ``req_to_token[row, start:start + n]`` to ``new_slots``
+        (n of them). The one rewrite of slots the tier has already placed is the radix cache's
         dedup (``cache_unfinished_req`` after a prefill chunk): prompt pages equal to pages it
         already holds are freed and the row re-pointed at the held ones. Each re-pointed block
         must then read its new page's KV (its home: the held copy, computed by another request)
@@ -512,13 +512,15 @@ class TieredPool:
         again. Blocks of rows the tier does not track, and tokens not yet written (new prompt
         tokens, decode tokens: their old values are stale), are not re-points."""
         state = self.rows.get(row)
-        if state is None or old_slots.numel() == 0:
+        n = new_slots.numel()
+        if state is None or n == 0:
             return
-        ps, gp = self.layout.page_size, self.layout.gpu_pages
+        ps = self.layout.page_size
         first = -(-start // ps) * ps  # whole pages only: the cache dedups page-aligned keys
-        offs = torch.arange(first - start, min(old_slots.numel(), state.written - start), ps)
+        offs = torch.arange(first - start, min(n, state.written - start), ps)
         if offs.numel() == 0:
-            return
+            return  # new prompt or decode tokens: nothing placed there yet
+        old_slots = req_to_token[row, start:start + n]
         old = (old_slots[offs.to(old_slots.device)].long() // ps).tolist()
         new = (new_slots.reshape(-1)[offs.to(new_slots.device)].long() // ps).tolist()
         changed = [(int(start + o) // ps, a, b) for o, a, b in zip(offs.tolist(), old, new)
@@ -530,7 +532,6 @@ class TieredPool:
                 self._repoint_staged_block(state, j, old_lp, new_lp)
         if changed and not state.decoding:
             self._publish_staging(state)
-            n = new_slots.numel()
             self.dev_req_to_token[row, start:start + n] = self.translate(
                 new_slots.reshape(-1).to(self.device)).to(torch.int32)
 
