@@ -347,19 +347,26 @@ class TieredPool:
                     self._unstage_one(state.staged.pop(j))
                 if lp < gp:
                     continue
-                entry = self._staged.get(lp)
-                if entry is None:
-                    page = self.work.alloc(1)[0]
-                    entry = self._staged[lp] = [page, 0]
-                    if j * ps < prefix_len:  # the page already holds data (on the host)
-                        loads.append((lp - gp, page))
-                entry[1] += 1
-                state.staged[j] = lp
+                # a page before the prefix's end already holds data (on the host)
+                self._stage_page(state, j, lp, loads if j * ps < prefix_len else None)
             if loads:
                 self._load_pages(loads)
             self._publish_staging(state)
             r2t = req_to_token[row, :nblocks * ps]
             self.dev_req_to_token[row, :nblocks * ps] = self.translate(r2t).to(torch.int32)
+
+    def _stage_page(self, state: RowState, j: int, lp: int,
+                    loads: Optional[list[tuple[int, int]]]) -> None:
+        """Stage host-homed logical page ``lp`` as block ``j`` of ``state``'s row: one working-area
+        page per logical page, shared (reference counted) by every row staging it. A page
+        newly taken is to be loaded from the host when ``loads`` is given (appended to it)."""
+        entry = self._staged.get(lp)
+        if entry is None:
+            entry = self._staged[lp] = [self.work.alloc(1)[0], 0]
+            if loads is not None:
+                loads.append((lp - self.layout.gpu_pages, entry[0]))
+        entry[1] += 1
+        state.staged[j] = lp
 
     def _publish_staging(self, state: RowState) -> None:
         if not state.staged:
@@ -538,17 +545,14 @@ class TieredPool:
     def _repoint_staged_block(self, state: RowState, j: int, old_lp: int, new_lp: int) -> None:
         """A block of a row still prefilling (or not yet decoding): stage the held page in place
         of the freed one, loaded from its home (it holds data)."""
-        gp = self.layout.gpu_pages
         if state.staged.get(j) == old_lp:
             self._unstage_one(state.staged.pop(j))
-        if new_lp < gp:
+        if new_lp < self.layout.gpu_pages:
             return  # a GPU-homed page is read where it is
-        entry = self._staged.get(new_lp)
-        if entry is None:
-            entry = self._staged[new_lp] = [self.work.alloc(1)[0], 0]
-            self._load_pages([(new_lp - gp, entry[0])])
-        entry[1] += 1
-        state.staged[j] = new_lp
+        loads: list[tuple[int, int]] = []
+        self._stage_page(state, j, new_lp, loads)
+        if loads:
+            self._load_pages(loads)
 
     def _repoint_decoding_block(self, row: int, state: RowState, j: int, old_lp: int,
                                 new_lp: int) -> None:
@@ -569,29 +573,25 @@ class TieredPool:
             # a GPU-homed window block (read in place, no ring page): it takes its ring page
             own = state.ring[r]
             self.ring_block_t[row, r] = j
-        if old_lp < gp and bool((pm == old_lp).any()):
+        if old_lp < gp:
             # read in place until now: the freed page may be reused by anyone
             pm.masked_fill_(pm == old_lp, -1 if own is None else own)
-        translated = int(self.dev_page_of_lp[old_lp])
-        if translated >= 0:
-            self.dev_page_of_lp[old_lp] = -1
+        self.dev_page_of_lp[old_lp] = -1  # the freed page is translated nowhere
         if new_lp < gp:
             # the held copy is on the GPU: read it in place; free the row's copies
             slots = self.tier.slot_block[row]
             slots.masked_fill_(slots == j, -1)
             pm.fill_(new_lp)
             if own is not None and j >= len(state.sink):
-                self.ring_block_t[row, j % lay.ring_pages] = -1
+                self.ring_block_t[row, r] = -1
             return
-        layers, heads = pm.shape
-        for layer in range(layers):
-            dst = pm[layer]
-            mapped = dst >= 0
-            if not bool(mapped.any()):
-                continue
-            h = torch.arange(heads, dtype=torch.int32, device=self.device)[mapped]
-            src = torch.full_like(h, new_lp - gp)
-            self.host.load(layer, h, src, dst[mapped].to(torch.int32), *self.tier_buffers(layer))
+        # Every mapped copy, per (layer, kv head), reloads from the held page's home (an
+        # unmapped one, -1, is skipped by the gather).
+        heads = torch.arange(pm.shape[1], dtype=torch.int32, device=self.device)
+        for layer in range(pm.shape[0]):
+            dst = pm[layer].to(torch.int32)
+            src = torch.where(dst >= 0, new_lp - gp, -1).to(torch.int32)
+            self.host.load(layer, heads, src, dst, *self.tier_buffers(layer))
         if own is not None:
             self.dev_page_of_lp[new_lp] = own
 
