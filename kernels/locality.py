@@ -28,6 +28,10 @@ evicted for good), the rest of the budget stays query-aware. In the batched pipe
    (``k = n_sel``) takes them first and fills the rest of the budget (the oracle's per-head
    ``n_q``, which differs between heads whose ``E_t`` holds the partial last middle block) with
    the best query-aware tokens.
+   With a limit on new filter blocks (``params.locality_new_blocks = F``, the oracle's
+   ``_admit_new_blocks``; :func:`limit_new_blocks_batched`, then :func:`record_filter_batched`
+   after the block top-k) a per-(row, kv head) bitmap keeps the last sparse step's filter;
+   of the candidates outside it, only the top ``F`` by Quest bound keep their score.
 3. **γ(t)** (:func:`locality_gamma_batched`, after the slot assembly): the share of a step's
    attended blocks that were attended at the request's previous sparse step, mean over kv heads,
    from a per-(row, kv head) bitmap of the previous step's blocks; accumulated on the device
@@ -50,6 +54,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from sglang_ext.kernels.topk import topk_masked
 from sglang_ext.selection.eviction_head import SUB_BLOCK
 from sglang_ext.selection.locality import two_stage_pool
 
@@ -309,6 +314,191 @@ def locality_update_batched(
     )
 
 
+# ------------------------------------------------------- the limit on new filter blocks
+
+
+@triton.jit
+def _has_prev(prev, NUM_WORDS: tl.constexpr, WORD_BLOCK: tl.constexpr,
+              WORD_TILES: tl.constexpr):
+    """Whether a row's bitmap of the previous filter has any bit set (a previous sparse step)."""
+    any_bit = tl.zeros([], tl.int32)
+    for wt in range(WORD_TILES):
+        w = wt * WORD_BLOCK + tl.arange(0, WORD_BLOCK)
+        words = tl.load(prev + w, mask=w < NUM_WORDS, other=0)
+        any_bit = tl.maximum(any_bit, tl.max((words != 0).to(tl.int32), axis=0))
+    return any_bit
+
+
+@triton.jit
+def _fresh_scores_kernel(
+    BLOCK_SCORES,
+    FRESH,
+    PREV_FILTER,
+    REQ_POOL_INDICES,
+    SEQ_LENS,
+    stride_bb,
+    stride_bg,
+    stride_pr,
+    stride_pg,
+    max_blocks,
+    BUDGET: tl.constexpr,
+    NUM_WORDS: tl.constexpr,
+    WORD_BLOCK: tl.constexpr,
+    WORD_TILES: tl.constexpr,
+    TILE: tl.constexpr,
+    NUM_TILES: tl.constexpr,
+):
+    """Program (b, g): ``FRESH`` = the block scores of the query-aware candidates outside the
+    previous filter (``-inf`` elsewhere, and everywhere for rows without a previous sparse
+    step), the input of the top-``F`` that admits them."""
+    b = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    seq_len = tl.load(SEQ_LENS + b)
+    row = tl.load(REQ_POOL_INDICES + b).to(tl.int64)
+    prev = PREV_FILTER + row * stride_pr + g * stride_pg
+    limited = (seq_len > BUDGET) & (_has_prev(prev, NUM_WORDS, WORD_BLOCK, WORD_TILES) > 0)
+    scores = BLOCK_SCORES + b * stride_bb + g * stride_bg
+    fresh = FRESH + b * stride_bb + g * stride_bg
+    for it in range(NUM_TILES):
+        j = it * TILE + tl.arange(0, TILE)
+        ok = j < max_blocks
+        s = tl.load(scores + j, mask=ok & limited, other=float("-inf"))
+        word = tl.load(prev + j // 32, mask=ok & limited, other=0)
+        resident = ((word >> (j % 32)) & 1) != 0
+        tl.store(fresh + j, tl.where(resident | (s == float("inf")), float("-inf"), s), mask=ok)
+
+
+@triton.jit
+def _admit_kernel(
+    BLOCK_SCORES,
+    FRESH,
+    ADMITTED,
+    PREV_FILTER,
+    REQ_POOL_INDICES,
+    SEQ_LENS,
+    stride_bb,
+    stride_bg,
+    stride_pr,
+    stride_pg,
+    stride_ab,
+    stride_ag,
+    max_blocks,
+    BUDGET: tl.constexpr,
+    LIMIT: tl.constexpr,
+    LIMIT_PAD: tl.constexpr,
+    NUM_WORDS: tl.constexpr,
+    WORD_BLOCK: tl.constexpr,
+    WORD_TILES: tl.constexpr,
+    TILE: tl.constexpr,
+    NUM_TILES: tl.constexpr,
+):
+    """Program (b, g) of a limited row: every candidate outside the previous filter sits this
+    step out (``-inf``) except the ``LIMIT`` admitted ones (``ADMITTED``, the top-k of
+    ``FRESH``), which get their score back."""
+    b = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    seq_len = tl.load(SEQ_LENS + b)
+    row = tl.load(REQ_POOL_INDICES + b).to(tl.int64)
+    prev = PREV_FILTER + row * stride_pr + g * stride_pg
+    if (seq_len > BUDGET) & (_has_prev(prev, NUM_WORDS, WORD_BLOCK, WORD_TILES) > 0):
+        scores = BLOCK_SCORES + b * stride_bb + g * stride_bg
+        fresh = FRESH + b * stride_bb + g * stride_bg
+        for it in range(NUM_TILES):
+            j = it * TILE + tl.arange(0, TILE)
+            f = tl.load(fresh + j, mask=j < max_blocks, other=float("-inf"))
+            tl.store(scores + j, float("-inf"), mask=(j < max_blocks) & (f > float("-inf")))
+        tl.debug_barrier()
+        a = tl.arange(0, LIMIT_PAD)
+        ids = tl.load(ADMITTED + b * stride_ab + g * stride_ag + a, mask=a < LIMIT, other=-1)
+        tl.store(scores + ids, tl.load(fresh + ids, mask=ids >= 0, other=0.0), mask=ids >= 0)
+
+
+@triton.jit
+def _record_filter_kernel(
+    TOP_BLOCKS,
+    PREV_FILTER,
+    REQ_POOL_INDICES,
+    SEQ_LENS,
+    stride_tb,
+    stride_tg,
+    stride_pr,
+    stride_pg,
+    BUDGET: tl.constexpr,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    NUM_WORDS: tl.constexpr,
+    WORD_BLOCK: tl.constexpr,
+    WORD_TILES: tl.constexpr,
+):
+    """Program (b, g) of a sparse row: the row's bitmap becomes this step's block filter."""
+    b = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    if tl.load(SEQ_LENS + b) > BUDGET:
+        row = tl.load(REQ_POOL_INDICES + b).to(tl.int64)
+        prev = PREV_FILTER + row * stride_pr + g * stride_pg
+        for wt in range(WORD_TILES):
+            w = wt * WORD_BLOCK + tl.arange(0, WORD_BLOCK)
+            tl.store(prev + w, tl.zeros([WORD_BLOCK], tl.int32), mask=w < NUM_WORDS)
+        tl.debug_barrier()
+        c = tl.arange(0, K_PAD)
+        blk = tl.load(TOP_BLOCKS + b * stride_tb + g * stride_tg + c, mask=c < K, other=-1)
+        tl.atomic_or(prev + blk // 32, (1 << (blk % 32)).to(tl.int32), mask=blk >= 0)
+
+
+def _word_tiling(words: int) -> dict[str, int]:
+    block = min(1024, triton.next_power_of_2(words))
+    return dict(NUM_WORDS=words, WORD_BLOCK=block, WORD_TILES=triton.cdiv(words, block))
+
+
+def limit_new_blocks_batched(
+    state: "LocalityLayerState", block_scores: Tensor, req_pool_indices: Tensor,
+    seq_lens: Tensor, params: Any, fresh: Tensor, admitted: Tensor, impl: str = "triton",
+    tile: int = 1024,
+) -> None:
+    """``params.locality_new_blocks`` for one layer of a decode batch, after the rule (E_t at
+    ``+inf``) and before the block top-k: per sparse request with a previous sparse step and kv
+    head, of the candidates outside the previous filter (``state.prev_filter``) only the
+    ``F`` best keep their score in ``block_scores`` (float32 ``[B, Hkv, max_blocks]``, in place),
+    the others get ``-inf``, which the top-k never takes (the oracle's ``_admit_new_blocks``).
+    ``fresh`` (float32, like ``block_scores``) and ``admitted`` (int32 ``[B, Hkv, F]``) are
+    workspace. Launch-only."""
+    batch, num_kv_heads, max_blocks = block_scores.shape
+    if batch == 0:
+        return
+    limit = params.locality_new_blocks
+    prev = state.prev_filter
+    tiles = dict(TILE=min(tile, triton.next_power_of_2(max_blocks)))
+    tiles["NUM_TILES"] = triton.cdiv(max_blocks, tiles["TILE"])
+    words = _word_tiling(prev.shape[-1])
+    _fresh_scores_kernel[(batch, num_kv_heads)](
+        block_scores, fresh, prev, req_pool_indices, seq_lens, block_scores.stride(0),
+        block_scores.stride(1), prev.stride(0), prev.stride(1), max_blocks,
+        BUDGET=params.budget, **words, **tiles, num_warps=4,
+    )
+    topk_masked(fresh, limit, out=admitted, impl=impl)
+    _admit_kernel[(batch, num_kv_heads)](
+        block_scores, fresh, admitted, prev, req_pool_indices, seq_lens, block_scores.stride(0),
+        block_scores.stride(1), prev.stride(0), prev.stride(1), admitted.stride(0),
+        admitted.stride(1), max_blocks, BUDGET=params.budget, LIMIT=limit,
+        LIMIT_PAD=triton.next_power_of_2(limit), **words, **tiles, num_warps=4,
+    )
+
+
+def record_filter_batched(state: "LocalityLayerState", top_blocks: Tensor,
+                          req_pool_indices: Tensor, seq_lens: Tensor, params: Any) -> None:
+    """After the block top-k (``top_blocks`` int32 ``[B, Hkv, k]``, ``-1`` padded): each sparse
+    request's filter, E_t included, becomes its row's previous filter. Launch-only."""
+    batch, num_kv_heads, k = top_blocks.shape
+    if batch == 0:
+        return
+    prev = state.prev_filter
+    _record_filter_kernel[(batch, num_kv_heads)](
+        top_blocks, prev, req_pool_indices, seq_lens, top_blocks.stride(0),
+        top_blocks.stride(1), prev.stride(0), prev.stride(1), BUDGET=params.budget, K=k,
+        K_PAD=triton.next_power_of_2(k), **_word_tiling(prev.shape[-1]), num_warps=4,
+    )
+
+
 # ---------------------------------------------------------------------------------- γ(t)
 
 
@@ -442,14 +632,19 @@ class LocalityLayerState:
     page_scores: Tensor  # float32 [num_pages, Hkv, 2]: see update_eviction_page_scores
     prev_attended: Tensor  # int32 [rows, Hkv, words]: blocks attended at the last sparse step
     gamma_stats: Tensor  # float32 [3]: sum, count, min of γ (shared by the layers)
+    prev_filter: Tensor | None = None  # int32 [rows, Hkv, words]: the last sparse step's block
+    # filter, E_t included (only with a limit on new blocks)
 
 
 class LocalityKernelState:
     """Device state of the locality constraint for every layer and request row: the kept
-    sets, the seen watermark, the γ bitmaps (all by row) and the page scores (by KV page)."""
+    sets, the seen watermark, the γ bitmaps (all by row) and the page scores (by KV page);
+    with ``limit_new_blocks`` (``params.locality_new_blocks > 0``) also a bitmap of each row's
+    last block filter."""
 
     def __init__(self, *, num_layers: int, rows: int, num_kv_heads: int, k_e: int,
-                 max_blocks: int, num_slots: int, page_size: int, device: Any) -> None:
+                 max_blocks: int, num_slots: int, page_size: int, device: Any,
+                 limit_new_blocks: bool = False) -> None:
         if k_e < 1:
             raise ValueError(f"k_e must be >= 1, got {k_e}")
         kw: dict[str, Any] = {"device": device}
@@ -459,15 +654,17 @@ class LocalityKernelState:
         self.seen_upto = torch.full(shape, -1, dtype=torch.int32, **kw)
         self.prev_attended = torch.zeros((*shape, bitmap_words(max_blocks)), dtype=torch.int32,
                                          **kw)
+        self.prev_filter = (torch.zeros_like(self.prev_attended) if limit_new_blocks else None)
         self.page_scores = [allocate_eviction_page_scores(num_slots, num_kv_heads, page_size,
                                                           device) for _ in range(num_layers)]
         self.gamma_stats = torch.empty(3, dtype=torch.float32, **kw)
         self.clear_gamma_stats()
 
     def layer(self, index: int) -> LocalityLayerState:
-        return LocalityLayerState(self.keep_ids[index], self.keep_scores[index],
-                                  self.seen_upto[index], self.page_scores[index],
-                                  self.prev_attended[index], self.gamma_stats)
+        return LocalityLayerState(
+            self.keep_ids[index], self.keep_scores[index], self.seen_upto[index],
+            self.page_scores[index], self.prev_attended[index], self.gamma_stats,
+            None if self.prev_filter is None else self.prev_filter[index])
 
     def reset_rows(self, rows: Tensor) -> None:
         """Rows about to hold a new request forget the previous one's (static-shape fills)."""
@@ -475,6 +672,8 @@ class LocalityKernelState:
         self.keep_ids.index_fill_(1, rows, -1)
         self.seen_upto.index_fill_(1, rows, -1)
         self.prev_attended.index_fill_(1, rows, 0)
+        if self.prev_filter is not None:
+            self.prev_filter.index_fill_(1, rows, 0)
 
     def clear_gamma_stats(self) -> None:
         self.gamma_stats[:2].zero_()
@@ -488,5 +687,5 @@ class LocalityKernelState:
 
     def nbytes(self) -> int:
         tensors = [self.keep_ids, self.keep_scores, self.seen_upto, self.prev_attended,
-                   *self.page_scores]
+                   *self.page_scores, *([] if self.prev_filter is None else [self.prev_filter])]
         return sum(t.numel() * t.element_size() for t in tensors)

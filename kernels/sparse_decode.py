@@ -24,7 +24,9 @@ With NOSA's locality constraint (``params.locality_blocks = k_e > 0``, two_level
 :mod:`locality`) the block top-k keeps ``candidate_blocks + k_e`` blocks, of which the
 request's query-agnostic set ``E_t`` (forced first by a ``+inf`` block score after the rule's
 update), and the token top-k takes ``E_t``'s middle tokens first (``+inf`` token scores):
-launches +2 (the rule before the block top-k, γ(t) after the assembly).
+launches +2 (the rule before the block top-k, γ(t) after the assembly). Its limit on new filter
+blocks (``params.locality_new_blocks``) adds 4 around the block top-k: the candidates outside the
+previous filter, their top-``F``, the others set to ``-inf``, and the filter recorded.
 
 Launches per step: two_level 4 for the selection (block scores, block top-k, token scores,
 token top-k + assembly) + 2 for the attention; quest 2 + 2; ds 2 + 2.
@@ -51,8 +53,10 @@ from sglang_ext.kernels.locality import (
     KERNEL_SCORE_KINDS,
     LocalityLayerState,
     bitmap_words,
+    limit_new_blocks_batched,
     locality_gamma_batched,
     locality_update_batched,
+    record_filter_batched,
 )
 from sglang_ext.kernels.sparse_attention import (
     default_num_splits,
@@ -360,6 +364,11 @@ class SparseDecodeWorkspace:
             # γ(t): this step's attended blocks per (request, kv head), and γ per request.
             self.attended_bitmap = torch.empty(*shape, bitmap_words(max_blocks), dtype=i32, **kw)
             self.gamma = torch.empty(max_batch, dtype=f32, **kw)
+        self.fresh_block_scores = self.admitted_blocks = None
+        if params.locality_new_blocks:  # the limit on new filter blocks: its top-k's in and out
+            self.fresh_block_scores = torch.empty(*shape, max_blocks, dtype=f32, **kw)
+            self.admitted_blocks = torch.empty(*shape, params.locality_new_blocks, dtype=i32,
+                                               **kw)
         # The split count only falls as the batch grows: size for batch 1.
         max_splits = split_layout(params.budget, self._splits_for(1))[1]
         self.partial_o = torch.empty(
@@ -489,8 +498,14 @@ def select_slots_batched(
         if locality is not None:
             locality_update_batched(locality, scores, req_to_token, req_pool_indices, seq_lens,
                                     params)
+            if params.locality_new_blocks:
+                limit_new_blocks_batched(locality, scores, req_pool_indices, seq_lens, params,
+                                         ws.fresh_block_scores[:batch],
+                                         ws.admitted_blocks[:batch], impl=ws.topk_impl)
         top = cand = run_topk(scores, ws.k_blocks, ws.top_blocks[:batch], not ws.k_tokens,
                               k_block_rows)
+        if locality is not None and params.locality_new_blocks:
+            record_filter_batched(locality, top, req_pool_indices, seq_lens, params)
         if on_blocks is not None:
             on_blocks(top)
         if attend_blocks is not None:

@@ -44,6 +44,8 @@ from server_utils import LABELS, free_port, launch_command, server_env
         ({"eviction_head": "/nonexistent.safetensors"}, "--sparse-eviction-head"),
         ({"locality_blocks": 2, "method": "quest"}, "--sparse-locality-blocks"),
         ({"budget": 128, "locality_blocks": 13}, "--sparse-locality-blocks"),
+        ({"locality_new_blocks": 4}, "--sparse-locality-new-blocks"),  # needs the constraint
+        ({"locality_blocks": 2, "locality_new_blocks": -1}, "--sparse-locality-new-blocks"),
         ({"cooperative": "yes"}, "--sparse-cooperative"),
         ({"cooperative": "on"}, "--sparse-cooperative"),  # no tier: no misses to share
         ({"cooperative": "on", "tier": "async"}, "--sparse-cooperative"),  # all resident
@@ -82,6 +84,19 @@ def test_the_tiers_working_set_check_counts_the_locality_slots():
     assert "--sparse-locality-blocks must be >= 123" in str(e.value)
 
 
+def test_the_locality_runs_limit_share_of_the_automatic_filter():
+    """The GPU locality run's and the accuracy suite's locality_limited limit: an eighth of
+    the automatic filter (246 blocks at budget 2048, block 16; 20 / 40 at the CPU budgets)."""
+    from sglang_ext.config import LOCALITY_NEW_SHARE, locality_new_blocks_for_share
+
+    assert locality_new_blocks_for_share(LOCALITY_NEW_SHARE, 2048, 16, 64, 16) == 246 // 8
+    assert locality_new_blocks_for_share(LOCALITY_NEW_SHARE, 64, 8, 16, 4) == 2
+    assert locality_new_blocks_for_share(LOCALITY_NEW_SHARE, 128, 16, 32, 4) == 5
+    assert locality_new_blocks_for_share(0.01, 64, 8, 16, 4) == 1  # never 0 (= no limit)
+    cfg = build_config(budget=2048, block_size=16, locality_blocks=61, locality_new_blocks=30)
+    assert cfg.locality_new_blocks == 30
+
+
 def test_the_tier_refuses_quest_whose_kept_blocks_miss_a_dense_contexts_middle():
     """quest keeps (budget - sink - window) // block_size blocks; with a window that is not a
     multiple of the block size a budget-sized context's middle touches one block more (the
@@ -111,8 +126,8 @@ def test_help_lists_our_flags():
                  "--sparse-tier-host-gb", "--sparse-tier-gpu-tokens", "--sparse-tier-timing",
                  "--sparse-guard-every",
                  "--sparse-guard-recall", "--sparse-guard-max-budget",
-                 "--sparse-locality-blocks", "--sparse-eviction-score", "--sparse-eviction-head",
-                 "--sparse-cooperative", "--sparse-cooperative-threads"):
+                 "--sparse-locality-blocks", "--sparse-locality-new-blocks",
+                 "--sparse-eviction-score", "--sparse-eviction-head", "--sparse-cooperative", "--sparse-cooperative-threads"):
         assert flag in out.stdout
     assert "sglang_ext" in out.stdout  # the backend name is an allowed --attention-backend
 

@@ -100,8 +100,10 @@ def _evicted(state: LocalityKernelState, row: int, g: int, first: int) -> set[in
 
 
 def _run(name: str, params: SelectionParams, starts: list[int], steps: int,
-         heads: EvictionHeads | None = None, device: str = "cpu") -> list[list[float]]:
-    """Kernels vs oracle over the trace; returns the γ(t) the kernels measured per request."""
+         heads: EvictionHeads | None = None, device: str = "cpu",
+         oracle_states: list[LocalityState] | None = None) -> list[list[float]]:
+    """Kernels vs oracle over the trace; returns the γ(t) the kernels measured per request
+    (and the oracle's per-request states in ``oracle_states``, if given)."""
     k_e = params.locality_blocks
     head = None
     if heads is not None:
@@ -116,7 +118,8 @@ def _run(name: str, params: SelectionParams, starts: list[int], steps: int,
         state = LocalityKernelState(num_layers=1, rows=rows, num_kv_heads=HKV, k_e=k_e,
                                     max_blocks=probe.max_blocks,
                                     num_slots=probe.k_buffer.shape[0], page_size=BS,
-                                    device=device)
+                                    device=device,
+                                    limit_new_blocks=params.locality_new_blocks > 0)
     trace = _trace(name, starts, steps, params, head,
                    state.page_scores[0] if state is not None else None, device)
     pb = trace.pb
@@ -179,6 +182,8 @@ def _run(name: str, params: SelectionParams, starts: list[int], steps: int,
                 assert measured == -1.0, where
         if state is not None:
             assert float(ws.gamma[batch]) == -1.0  # the padding entry is never measured
+    if oracle_states is not None:
+        oracle_states.extend(ref_states)
     return gammas
 
 
@@ -200,12 +205,27 @@ def test_batched_locality_equals_the_oracle_over_a_decode_trace(kind):
     assert min(g for per in gammas for g in per) >= _floor(params)
 
 
+def test_batched_new_block_limit_equals_the_oracle():
+    """With at most 2 query-aware blocks per step from outside the last filter (of 8), the
+    batched decode still selects the oracle's tokens, E_t and γ every step; the oracle's own
+    trace shows the limit held and was needed."""
+    params = replace(PARAMS, locality_new_blocks=2)
+    states: list[LocalityState] = []
+    gammas = _run("new-blocks", params, starts=[33, 58, 83], steps=14, oracle_states=states)
+    assert min(g for per in gammas for g in per) >= _floor(params)
+    admitted = [n for st in states for n in st.new_blocks]
+    assert admitted and max(admitted) == 2  # held, and reached
+    unlimited: list[LocalityState] = []
+    _run("new-blocks", PARAMS, starts=[33, 58, 83], steps=14, oracle_states=unlimited)
+    assert max(n for st in unlimited for n in st.new_blocks) > 2  # the limit changed something
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kind", ["key_norm", "learned"])
-def test_compiled_kernels_equal_the_oracle_on_the_gpu(kind):
+@pytest.mark.parametrize("kind,new_blocks", [("key_norm", 0), ("learned", 0), ("key_norm", 2)])
+def test_compiled_kernels_equal_the_oracle_on_the_gpu(kind, new_blocks):
     """The same trace with the compiled kernels (barriers, atomics, loops) on the GPU."""
-    params = replace(PARAMS, eviction_score=kind)
+    params = replace(PARAMS, eviction_score=kind, locality_new_blocks=new_blocks)
     heads = _heads(11) if kind == "learned" else None
     gammas = _run("gpu-" + kind, params, starts=[33, 58, 83], steps=14, heads=heads,
                   device="cuda")
@@ -214,17 +234,19 @@ def test_compiled_kernels_equal_the_oracle_on_the_gpu(kind):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_locality_decode_step_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("new_blocks", [0, 2])
+def test_locality_decode_step_replays_in_a_cuda_graph(new_blocks):
     """One decode step with the locality constraint captured in a CUDA graph and replayed over
     the following steps gives what eager calls on a copy of the state give."""
-    params = PARAMS
+    params = replace(PARAMS, locality_new_blocks=new_blocks)
     starts, steps = [57, 90], 6
     gen = case_generator("locality-graph")
     pb = make_paged_batch(gen, [s + steps for s in starts], HKV, D, BS, device="cuda",
                           summary_chunks=1)
     state = lambda: LocalityKernelState(  # noqa: E731
         num_layers=1, rows=pb.req_to_token.shape[0], num_kv_heads=HKV, k_e=3,
-        max_blocks=pb.max_blocks, num_slots=pb.k_buffer.shape[0], page_size=BS, device="cuda")
+        max_blocks=pb.max_blocks, num_slots=pb.k_buffer.shape[0], page_size=BS, device="cuda",
+        limit_new_blocks=new_blocks > 0)
     eager_state, graph_state = state(), state()
     for s in (eager_state, graph_state):  # scores of every page (the KV is all written)
         idx = torch.arange(pb.k_buffer.shape[0], device="cuda")
@@ -253,6 +275,8 @@ def test_locality_decode_step_replays_in_a_cuda_graph():
         torch.testing.assert_close(out_graph, want, rtol=0, atol=0)
         assert torch.equal(graph_state.keep_ids, eager_state.keep_ids)
         assert torch.equal(ws_graph.gamma[:2], ws_eager.gamma[:2])
+        if new_blocks:
+            assert torch.equal(graph_state.prev_filter, eager_state.prev_filter)
 
 
 def test_ke_zero_is_two_level():

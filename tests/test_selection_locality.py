@@ -3,6 +3,8 @@ rule holds over long decode traces (a dropped block never returns to the query-a
 the measured locality γ(t) is at least |E_t| / blocks attended at every step, |E_t| = k_e once
 enough blocks have passed, and with k_e = 0 the selection is two_level's."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -64,6 +66,60 @@ def test_ke_zero_is_two_level():
         length = 150 + t + 1
         got = select_token_mask_locality(qs[t], keys[:length], PARAMS, state, 0)
         want = select_token_mask(qs[t], keys[:length], PARAMS)
+        assert torch.equal(got, want)
+
+
+def _filter_blocks(mask: torch.Tensor, bs: int) -> torch.Tensor:
+    return torch.nn.functional.pad(mask, (0, (-mask.shape[1]) % bs)).reshape(
+        mask.shape[0], -1, bs).any(dim=2)
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+def test_new_block_limit_holds_over_a_long_trace(limit):
+    """At most ``limit`` query-aware filter blocks per step and kv head come from outside the
+    previous step's filter; without the limit far more do on this (random, low-locality)
+    trace; the budget and the eviction rule are unaffected."""
+    gen = case_generator("locality-new-blocks", limit)
+    keys, qs = _trace(gen, steps=80, start=100)
+    params = dataclasses.replace(PARAMS, locality_blocks=4, locality_new_blocks=limit)
+    limited, unlimited = LocalityState(num_kv_heads=2), LocalityState(num_kv_heads=2)
+    evicted_before = None
+    for t in range(qs.shape[0]):
+        length = 100 + t + 1
+        mask = select_token_mask_locality(qs[t], keys[:length], params, limited, 4,
+                                          score_kind="key_norm")
+        select_token_mask_locality(qs[t], keys[:length], dataclasses.replace(
+            params, locality_new_blocks=0), unlimited, 4, score_kind="key_norm")
+        assert int(mask.sum(dim=1).max()) <= params.budget
+        evicted = limited.evicted.clone()
+        if evicted_before is not None:
+            n = evicted_before.shape[1]
+            assert not bool((evicted_before & limited.keep[:, :n]).any())
+        evicted_before = evicted
+    assert len(limited.new_blocks) == qs.shape[0] - 1
+    assert max(limited.new_blocks) == limit
+    assert max(unlimited.new_blocks) > 2 * limit
+    # the blocks a step attends lie in its filter, sink and window (tokens within those only)
+    bs = params.block_size
+    attended = _filter_blocks(mask, bs)
+    allowed = limited.prev_filter[:, :attended.shape[1]].clone()
+    allowed[:, : -(-params.sink // bs)] = True
+    allowed[:, (length - params.window) // bs:] = True
+    assert not bool((attended & ~allowed).any())
+
+
+def test_a_limit_above_the_filter_changes_nothing():
+    """With room for the whole filter the limit never binds: the unlimited selection."""
+    gen = case_generator("locality-new-blocks-wide")
+    keys, qs = _trace(gen, steps=30, start=120)
+    params = dataclasses.replace(PARAMS, locality_blocks=4)
+    wide = dataclasses.replace(params, locality_new_blocks=params.candidate_blocks)
+    a, b = LocalityState(num_kv_heads=2), LocalityState(num_kv_heads=2)
+    for t in range(qs.shape[0]):
+        length = 120 + t + 1
+        got = select_token_mask_locality(qs[t], keys[:length], wide, a, 4, score_kind="key_norm")
+        want = select_token_mask_locality(qs[t], keys[:length], params, b, 4,
+                                          score_kind="key_norm")
         assert torch.equal(got, want)
 
 
@@ -221,6 +277,15 @@ def test_requests_choose_their_locality_and_bad_ones_are_one_line_errors(tmp_pat
     local = build_config(budget=128, block_size=4, sink=16, window=32, locality_blocks=10)
     assert parse_override({"sparse": {"method": "quest"}}, local).locality_blocks == 0
     assert parse_override({"sparse": {"locality_blocks": 0}}, local).locality_blocks == 0
+    # the limit on new filter blocks: per request, and off with the constraint
+    limited = build_config(budget=128, block_size=4, sink=16, window=32, locality_blocks=10,
+                           locality_new_blocks=5)
+    assert parse_override(None, limited).locality_new_blocks == 5
+    assert parse_override({"sparse": {"locality_new_blocks": 2}}, limited).locality_new_blocks == 2
+    got = parse_override({"sparse": {"locality_blocks": 0}}, limited)
+    assert (got.locality_blocks, got.locality_new_blocks) == (0, 0)
+    got = parse_override({"sparse": {"locality_blocks": 4, "locality_new_blocks": 1}}, base)
+    assert (got.locality_blocks, got.locality_new_blocks) == (4, 1)
     path = tmp_path / "h.safetensors"
     save_eviction_heads(_heads(0), path, model="tiny")
     with_head = build_config(budget=128, block_size=4, sink=16, window=32,
@@ -236,6 +301,8 @@ def test_requests_choose_their_locality_and_bad_ones_are_one_line_errors(tmp_pat
         ({"locality_blocks": 2, "eviction_score": "learned"}, "--sparse-eviction-head"),
         ({"eviction_score": "oracle"}, "must be one of"),
         ({"budget": 64, "sink": 8, "window": 16, "locality_blocks": 11}, "must fit"),
+        ({"locality_new_blocks": 2}, "--sparse-locality-blocks"),  # the constraint is off
+        ({"locality_blocks": 2, "locality_new_blocks": 1.5}, "integer"),
     ):
         with pytest.raises(ValueError) as e:
             parse_override({"sparse": bad}, base)

@@ -104,7 +104,7 @@ class Run:
             state = lambda: LocalityKernelState(  # noqa: E731
                 num_layers=sh.layers, rows=len(self.rows) + 1, num_kv_heads=sh.kv_heads,
                 k_e=params.locality_blocks, max_blocks=max_context // ps, num_slots=logical,
-                page_size=ps, device=dev)
+                page_size=ps, device=dev, limit_new_blocks=params.locality_new_blocks > 0)
             self.locality = (state(), state())
             self.locality[1].page_scores = self.locality[0].page_scores
 
@@ -199,15 +199,18 @@ def test_budget_above_the_context_decodes_exactly(mode: str, method: str, lens: 
     run.finish()
 
 
-@pytest.mark.parametrize("method", ["two_level", "quest", "locality"])
+@pytest.mark.parametrize("method", ["two_level", "quest", "locality", "locality_limited"])
 def test_sync_schedule_with_a_small_budget_equals_the_untiered_decode(method: str) -> None:
     """(``locality``: two_level with one query-agnostic block per kv head, whose kept set rides
-    in the working set: the block filter's k is candidates + k_e.)"""
+    in the working set: the block filter's k is candidates + k_e; ``locality_limited``: of
+    those, at most one block per step from outside the last filter.)"""
     ps, sink, window = SMALL.page_size, SMALL.sink, SMALL.window
-    local = method == "locality"
+    local = method.startswith("locality")
+    limit = int(method == "locality_limited")
     method = "two_level" if local else method
     params = SelectionParams(method, 24, ps, 3 if method == "two_level" else 1, sink, window,
-                             locality_blocks=int(local), eviction_score="key_norm")
+                             locality_blocks=int(local), eviction_score="key_norm",
+                             locality_new_blocks=limit)
     run = Run(params, "sync", prompt_lens=[45, 30], steps=10)
     run.prefill()
     for step in range(run.steps):

@@ -126,6 +126,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--locality-share", type=float, default=R.LOCALITY_SHARE,
                    help="locality methods: share of the budget's middle blocks that is "
                         "query-agnostic (k_e); the GPU locality run uses the default")
+    p.add_argument("--locality-new-share", type=float, default=R.LOCALITY_NEW_SHARE,
+                   help="locality_limited: share of the automatic block filter that may be new "
+                        "per step (locality_new_blocks); the GPU locality run uses the default")
     p.add_argument("--servers", type=int, default=2,
                    help="servers started (each gets cores/servers torch threads); "
                         "with --server-url, the URLs given")
@@ -154,6 +157,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("--parallel must be in 1..16, --servers in 1..8")
     if not 0.0 <= args.locality_share <= 1.0:
         p.error("--locality-share must be in [0, 1]")
+    if not 0.0 < args.locality_new_share <= 1.0:
+        p.error("--locality-new-share must be in (0, 1]")
     return args
 
 
@@ -273,7 +278,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "locality_learned" in args.methods and not args.eviction_head and not args.server_url:
         raise SystemExit("accuracy: --methods locality_learned needs --eviction-head FILE")
     settings = R.sparse_settings(args.methods, args.budgets, args.block_size, args.sink, args.window,
-                                 args.locality_share)
+                                 args.locality_share, args.locality_new_share)
     print(f"[accuracy] tasks {args.tasks}, contexts {args.contexts}, {args.samples} samples each; "
           f"dense + {args.methods} x budgets {args.budgets}; block size {args.block_size} "
           f"(CPU setting for this 64-dim-head model)", flush=True)
@@ -317,7 +322,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "tasks": args.tasks, "contexts": args.contexts, "samples": args.samples,
             "methods": args.methods, "budgets": args.budgets, "block_size": args.block_size,
             "sink_max": args.sink, "window_max": args.window, "candidate_blocks": "auto",
-            "locality_share": args.locality_share,
+            "locality_share": args.locality_share, "locality_new_share": args.locality_new_share,
             "servers": len(urls), "samples_in_flight_per_server": args.parallel,
             "server": server_desc, "attention_backend": backend,
             "kv_pool_tokens": R.kv_pool_tokens(info),

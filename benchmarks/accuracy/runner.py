@@ -31,9 +31,11 @@ from tqdm import tqdm
 
 from benchmarks.accuracy import tasks as T
 from sglang_ext.config import (
+    LOCALITY_NEW_SHARE,
     LOCALITY_SHARE,
     locality_blocks_for_share,
     locality_candidate_blocks,
+    locality_new_blocks_for_share,
 )
 
 METHODS = ("quest", "ds", "two_level")
@@ -43,13 +45,16 @@ METHODS = ("quest", "ds", "two_level")
 # LOCALITY_SHARE (sglang_ext/config.py) of the budget's middle blocks query-agnostic: the
 # training-free key_norm score (the one the batched CUDA-graph decode runs), or the trained
 # eviction head (servers started with --sparse-eviction-head, the driver's --eviction-head). The
-# rest stays query-aware, with a block filter sized for it (locality_candidate_blocks). The GPU
-# locality run (benchmarks/e2e_serving.py, sglang_ext_tier_locality) uses the same setting, so
-# its bytes per step and these rows describe one thing; γ(t) >= ~LOCALITY_SHARE.
+# rest stays query-aware, with a block filter sized for it (locality_candidate_blocks); γ(t) >=
+# ~LOCALITY_SHARE. "locality_limited" (below) is what the GPU locality run
+# (benchmarks/e2e_serving.py, sglang_ext_tier_locality) serves, so its bytes per step and those
+# rows describe one thing.
 SHARE_OF_MIDDLE = "share_of_middle"
 # A variant key the runner consumes (never sent): keep the automatic block filter (sized for the
 # whole middle) instead of one sized for the query-aware rest.
 WHOLE_MIDDLE_FILTER = "whole_middle_filter"
+# Another: set locality_new_blocks to LOCALITY_NEW_SHARE of the automatic filter.
+LIMITED_NEW_BLOCKS = "limited_new_blocks"
 VARIANTS = {
     "output_aware": {"method": "two_level", "scoring": "output_aware"},
     "head_policy": {"method": "two_level", "head_policy": True},
@@ -65,6 +70,11 @@ VARIANTS = {
                       WHOLE_MIDDLE_FILTER: True},
     "locality_attention": {"method": "two_level", "head_policy": False,
                            "locality_blocks": SHARE_OF_MIDDLE, "eviction_score": "attention"},
+    # What the GPU locality run serves: key_norm, the automatic filter, and at most
+    # LOCALITY_NEW_SHARE of it new per step (the transfers come from the filter's turnover).
+    "locality_limited": {"method": "two_level", "head_policy": False,
+                         "locality_blocks": SHARE_OF_MIDDLE, "eviction_score": "key_norm",
+                         WHOLE_MIDDLE_FILTER: True, LIMITED_NEW_BLOCKS: True},
 }
 ALL_METHODS = METHODS + tuple(VARIANTS)
 DENSE = "dense"
@@ -147,7 +157,8 @@ def shrunk_sink_window(budget: int, sink: int = DEFAULT_SINK,
 
 def sparse_settings(methods: Sequence[str], budgets: Sequence[int], block_size: int,
                     sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW,
-                    locality_share: float = LOCALITY_SHARE) -> list[Setting]:
+                    locality_share: float = LOCALITY_SHARE,
+                    new_share: float = LOCALITY_NEW_SHARE) -> list[Setting]:
     """Dense first, then every (method, budget). Sink and window shrink for small budgets
     (sink <= budget/8, window <= budget/4) so that budget 64 is valid and still leaves most of
     it to the selected tokens."""
@@ -163,6 +174,9 @@ def sparse_settings(methods: Sequence[str], budgets: Sequence[int], block_size: 
             s, w = shrunk_sink_window(b, sink, window)
             sparse = {**how, "budget": b, "block_size": block_size, "sink": s, "window": w}
             whole_middle = sparse.pop(WHOLE_MIDDLE_FILTER, False)
+            if sparse.pop(LIMITED_NEW_BLOCKS, False):
+                sparse["locality_new_blocks"] = locality_new_blocks_for_share(new_share, b, s, w,
+                                                                              block_size)
             if sparse.get("locality_blocks") == SHARE_OF_MIDDLE:
                 k_e = locality_blocks_for_share(locality_share, b, s, w, block_size)
                 sparse["locality_blocks"] = k_e

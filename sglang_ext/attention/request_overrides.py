@@ -21,7 +21,7 @@ from sglang_ext.selection import SelectionParams
 OVERRIDE_KEY = "sparse"
 DENSE = "dense"
 OVERRIDABLE = ("method", "budget", "block_size", "candidate_blocks", "sink", "window", "scoring",
-               "head_policy", "locality_blocks", "eviction_score")
+               "head_policy", "locality_blocks", "eviction_score", "locality_new_blocks")
 
 # What a request decodes with: SelectionParams, or None for dense attention.
 RequestSparsity = Optional[SelectionParams]
@@ -41,6 +41,7 @@ def selection_params(cfg: SparseConfig, use_head_policy: Optional[bool] = None) 
         head_policy=cfg.head_policy is not None and use_head_policy is not False,
         locality_blocks=cfg.locality_blocks,
         eviction_score=cfg.eviction_score,
+        locality_new_blocks=cfg.locality_new_blocks,
     )
 
 
@@ -76,7 +77,10 @@ def parse_override(custom_params: Optional[Mapping[str, Any]], base: SparseConfi
             values["scoring"] = "score"
         if "locality_blocks" not in raw:
             values["locality_blocks"] = 0
-    for key in ("locality_blocks",):
+    if raw.get("locality_blocks", values["locality_blocks"]) == 0 and \
+            "locality_new_blocks" not in raw:
+        values["locality_new_blocks"] = 0  # the limit belongs to the constraint: off with it
+    for key in ("locality_blocks", "locality_new_blocks"):
         if key in raw and (isinstance(raw[key], bool) or not isinstance(raw[key], int)):
             raise ValueError(f"custom_params.{OVERRIDE_KEY}.{key} must be an integer, "
                              f"got {raw[key]!r}")

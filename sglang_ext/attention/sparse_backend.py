@@ -273,15 +273,16 @@ class SparseDecodeBackend(AttentionBackend):
             num_layers=pool.layer_num, rows=req_to_token.shape[0], num_kv_heads=pool.head_num,
             k_e=self.config.locality_blocks, max_blocks=-(-req_to_token.shape[1] // bs),
             num_slots=getattr(pool, "logical_size", k0.shape[0] - bs) + bs, page_size=bs,
-            device=self.device,
+            device=self.device, limit_new_blocks=self.config.locality_new_blocks > 0,
         )
         if self.config.eviction_score == "learned":
             self._locality_heads = [
                 eviction_head_tensors(self.eviction_heads, pool.start_layer + i)
                 for i in range(pool.layer_num)
             ]
-        logger.info("sglang_ext locality: k_e=%d blocks, %s score, %.2f GiB of device state",
-                    self.config.locality_blocks, self.config.eviction_score,
+        logger.info("sglang_ext locality: k_e=%d blocks, %s score, at most %s new filter blocks "
+                    "per step, %.2f GiB of device state", self.config.locality_blocks,
+                    self.config.eviction_score, self.config.locality_new_blocks or "any",
                     self.locality.nbytes() / 2**30)
 
     def _locality_report(self) -> None:

@@ -7,7 +7,13 @@ The middle of the context (between sink and window) is covered by two parts:
   entered the middle (they left the recent window); ``E_t`` is the top ``k_e`` of them, and a
   candidate not kept is **evicted for good** (it is never a candidate again);
 * a **query-aware** part: two_level's block filter + token top-k over the other middle blocks,
-  with what is left of the token budget.
+  with what is left of the token budget. With ``params.locality_new_blocks = F > 0`` the filter
+  admits at most ``F`` blocks per step that were not in the previous step's filter (``E_{t-1}``
+  included): the best ``F`` of those by Quest bound compete with the previous ones, the rest sit
+  the step out. A host tier keeps exactly the filter's blocks on the GPU, so ``F`` bounds the
+  blocks one step transfers per kv head, while the filter still spans the whole middle (a
+  filter sized down to cut transfers costs accuracy: README, NOSA locality). A request's first
+  sparse step has no previous filter and is not limited.
 
 Every block of ``E_t`` was attended at ``t-1`` (as a member of ``E_{t-1}`` or of the window), so
 at least ``|E_t|`` of the blocks a head attends persist from one step to the next: the locality
@@ -59,6 +65,9 @@ class LocalityState:
     seen: Tensor = field(default=None)  # bool: has been a candidate (evicted = seen & ~keep)
     score: Tensor = field(default=None)  # float32 eviction score
     prev_blocks: Tensor = field(default=None)  # bool: blocks attended at the previous step
+    prev_filter: Tensor = field(default=None)  # bool: the previous step's block filter and E_t
+    new_blocks: list[int] = field(default_factory=list)  # per step: most query-aware blocks of a
+    # head outside the previous filter (what locality_new_blocks bounds)
     locality: list[float] = field(default_factory=list)  # γ(t) per step (mean over heads)
     floor: list[float] = field(default_factory=list)  # |E_t| / blocks attended, min over heads
     scored_blocks: int = 0  # ``learned``: blocks whose (fixed) score is already in ``score``
@@ -77,6 +86,7 @@ class LocalityState:
         self.seen = extend(self.seen, False, torch.bool)
         self.score = extend(self.score, 0.0, torch.float32)
         self.prev_blocks = extend(self.prev_blocks, False, torch.bool)
+        self.prev_filter = extend(self.prev_filter, False, torch.bool)
 
     @property
     def evicted(self) -> Tensor:
@@ -138,9 +148,17 @@ def select_token_mask_locality(
     # Query-aware part over the other middle blocks, with the rest of the token budget.
     n_q = n_sel - in_keep.sum(dim=1)  # per head
     bscores = quest_block_scores(q, *block_minmax(keys[first * bs:(last + 1) * bs], bs))
-    bscores = bscores.masked_fill(keep[:, first:num_blocks].to(device), float("-inf"))
+    keep_mid = keep[:, first:num_blocks].to(device)
+    bscores = bscores.masked_fill(keep_mid, float("-inf"))
+    prev_filter = state.prev_filter[:, first:num_blocks].to(device)
+    if params.locality_new_blocks and bool(prev_filter.any()):
+        bscores = _admit_new_blocks(bscores, prev_filter, params.locality_new_blocks)
     kept = _top_k_mask(bscores, min(params.candidate_blocks, last - first + 1))
-    kept &= ~keep[:, first:num_blocks].to(device)
+    kept &= bscores > float("-inf")  # E_t's blocks, and (limited) the ones sitting out
+    if bool(prev_filter.any()):
+        state.new_blocks.append(int((kept & ~prev_filter).sum(dim=1).max()))
+    state.prev_filter[:, :num_blocks] = False
+    state.prev_filter[:, first:num_blocks] = (kept | keep_mid).cpu()
     in_kept = kept[:, block_of_pos - first]
     tok = label_token_scores(q, keys[lo:hi], channels).masked_fill(~in_kept, float("-inf"))
     for h in range(num_kv_heads):  # the remaining budget differs per head
@@ -159,6 +177,15 @@ def select_token_mask_locality(
         state.floor.append(float((keep.sum(dim=1) / n_now).min()))
     state.prev_blocks[:, :attended.shape[1]] = attended
     return mask
+
+
+def _admit_new_blocks(bscores: Tensor, prev_filter: Tensor, limit: int) -> Tensor:
+    """``bscores`` (``[Hkv, n]``, ``-inf`` = not a query-aware candidate) with every block
+    outside ``prev_filter`` set to ``-inf`` except the ``limit`` best of them per head (ties to
+    the lower block, like every top-k here)."""
+    fresh = bscores.masked_fill(prev_filter, float("-inf"))
+    admitted = _top_k_mask(fresh, min(limit, fresh.shape[1])) & (fresh > float("-inf"))
+    return bscores.masked_fill(~(prev_filter | admitted), float("-inf"))
 
 
 def two_stage_pool(token_scores: Tensor, block_size: int, sub_block: int = 4) -> Tensor:

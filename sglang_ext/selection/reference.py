@@ -38,7 +38,9 @@ class SelectionParams:
     window only; see :mod:`sglang_ext.selection.head_policy`).
     ``locality_blocks`` / ``eviction_score`` (two_level): NOSA's locality constraint, ``k_e``
     query-agnostic blocks per kv head kept by that score (0 = off; see
-    :mod:`sglang_ext.selection.locality`).
+    :mod:`sglang_ext.selection.locality`). ``locality_new_blocks`` (with ``locality_blocks``):
+    at most this many of the query-aware part's blocks per step and kv head may lie outside
+    the previous step's block filter (0 = no limit), which bounds a host tier's transfers.
     """
 
     method: str
@@ -51,6 +53,7 @@ class SelectionParams:
     head_policy: bool = False
     locality_blocks: int = 0
     eviction_score: str = "attention"
+    locality_new_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -70,6 +73,9 @@ class SelectionParams:
         if self.locality_blocks < 0 or (self.locality_blocks and self.method != "two_level"):
             raise ValueError(f"locality_blocks needs two_level and >= 0, got "
                              f"{self.locality_blocks} with {self.method!r}")
+        if self.locality_new_blocks < 0 or (self.locality_new_blocks and not self.locality_blocks):
+            raise ValueError(f"locality_new_blocks needs locality_blocks > 0 and >= 0, got "
+                             f"{self.locality_new_blocks}")
         if self.method == "two_level" and self.candidate_blocks < 1:
             raise ValueError(
                 f"two_level needs candidate_blocks >= 1, got {self.candidate_blocks}"
