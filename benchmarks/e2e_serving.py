@@ -34,9 +34,11 @@ from benchmarks import results_io  # noqa: E402
 from benchmarks.results_io import git_commit, gpu_name, write_results  # noqa: E402
 from benchmarks.soak import TIE_MARGIN, mismatch  # noqa: E402
 from sglang_ext.config import (  # noqa: E402
+    LOCALITY_FILTER_SCALE,
     LOCALITY_NEW_SHARE,
     LOCALITY_SHARE,
     locality_blocks_for_share,
+    locality_limited_candidate_blocks,
     locality_new_blocks_for_share,
 )
 
@@ -74,13 +76,14 @@ CONFIGS["sglang_ext_tier_fi"] = CONFIGS["sglang_ext_tier"] + ["--sparse-dense-ba
 # 2048 - 16 - 64 tokens query-agnostic, key_norm score, the automatic block filter of which at
 # most LOCALITY_NEW_SHARE may be new per step), so the working set is E_t (which persists) plus
 # the filter, whose turnover per step the limit bounds.
-_LOCALITY_K_E = locality_blocks_for_share(LOCALITY_SHARE, budget=2048, sink=16, window=64,
-                                          block_size=16)
+_LOCALITY_SHAPE = dict(budget=2048, sink=16, window=64, block_size=16)
+_LOCALITY_K_E = locality_blocks_for_share(LOCALITY_SHARE, **_LOCALITY_SHAPE)
 CONFIGS["sglang_ext_tier_locality"] = CONFIGS["sglang_ext_tier"] + [
     "--sparse-locality-blocks", str(_LOCALITY_K_E), "--sparse-eviction-score", "key_norm",
     "--sparse-locality-new-blocks",
-    str(locality_new_blocks_for_share(LOCALITY_NEW_SHARE, budget=2048, sink=16, window=64,
-                                      block_size=16))]
+    str(locality_new_blocks_for_share(LOCALITY_NEW_SHARE, **_LOCALITY_SHAPE)),
+    "--sparse-candidate-blocks",
+    str(locality_limited_candidate_blocks(LOCALITY_FILTER_SCALE, **_LOCALITY_SHAPE))]
 
 
 def launch(model: str, tokenizer: str, args: list[str], port: int, context_len: int,

@@ -85,14 +85,17 @@ def test_the_tiers_working_set_check_counts_the_locality_slots():
 
 
 def test_the_locality_runs_limit_share_of_the_automatic_filter():
-    """The GPU locality run's and the accuracy suite's locality_limited limit: an eighth of
+    """The GPU locality run's and the accuracy suite's locality_limited limit: a quarter of
     the automatic filter (246 blocks at budget 2048, block 16; 20 / 40 at the CPU budgets)."""
     from sglang_ext.config import LOCALITY_NEW_SHARE, locality_new_blocks_for_share
 
-    assert locality_new_blocks_for_share(LOCALITY_NEW_SHARE, 2048, 16, 64, 16) == 246 // 8
-    assert locality_new_blocks_for_share(LOCALITY_NEW_SHARE, 64, 8, 16, 4) == 2
-    assert locality_new_blocks_for_share(LOCALITY_NEW_SHARE, 128, 16, 32, 4) == 5
+    assert locality_new_blocks_for_share(LOCALITY_NEW_SHARE, 2048, 16, 64, 16) == 246 // 4
+    assert locality_new_blocks_for_share(LOCALITY_NEW_SHARE, 64, 8, 16, 4) == 5
+    assert locality_new_blocks_for_share(LOCALITY_NEW_SHARE, 128, 16, 32, 4) == 10
     assert locality_new_blocks_for_share(0.01, 64, 8, 16, 4) == 1  # never 0 (= no limit)
+    from sglang_ext.config import locality_limited_candidate_blocks
+    assert locality_limited_candidate_blocks(1, 2048, 16, 64, 16) == 246  # the automatic filter
+    assert locality_limited_candidate_blocks(2, 64, 8, 16, 4) == 40
     cfg = build_config(budget=2048, block_size=16, locality_blocks=61, locality_new_blocks=30)
     assert cfg.locality_new_blocks == 30
 

@@ -129,6 +129,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--locality-new-share", type=float, default=R.LOCALITY_NEW_SHARE,
                    help="locality_limited: share of the automatic block filter that may be new "
                         "per step (locality_new_blocks); the GPU locality run uses the default")
+    p.add_argument("--locality-filter-scale", type=float, default=R.LOCALITY_FILTER_SCALE,
+                   help="locality_limited: its block filter is this many times the automatic "
+                        "one; the GPU locality run uses the default")
     p.add_argument("--servers", type=int, default=2,
                    help="servers started (each gets cores/servers torch threads); "
                         "with --server-url, the URLs given")
@@ -159,6 +162,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("--locality-share must be in [0, 1]")
     if not 0.0 < args.locality_new_share <= 1.0:
         p.error("--locality-new-share must be in (0, 1]")
+    if args.locality_filter_scale <= 0:
+        p.error("--locality-filter-scale must be > 0")
     return args
 
 
@@ -278,7 +283,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "locality_learned" in args.methods and not args.eviction_head and not args.server_url:
         raise SystemExit("accuracy: --methods locality_learned needs --eviction-head FILE")
     settings = R.sparse_settings(args.methods, args.budgets, args.block_size, args.sink, args.window,
-                                 args.locality_share, args.locality_new_share)
+                                 args.locality_share, args.locality_new_share,
+                                 args.locality_filter_scale)
     print(f"[accuracy] tasks {args.tasks}, contexts {args.contexts}, {args.samples} samples each; "
           f"dense + {args.methods} x budgets {args.budgets}; block size {args.block_size} "
           f"(CPU setting for this 64-dim-head model)", flush=True)
@@ -323,6 +329,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "methods": args.methods, "budgets": args.budgets, "block_size": args.block_size,
             "sink_max": args.sink, "window_max": args.window, "candidate_blocks": "auto",
             "locality_share": args.locality_share, "locality_new_share": args.locality_new_share,
+            "locality_filter_scale": args.locality_filter_scale,
             "servers": len(urls), "samples_in_flight_per_server": args.parallel,
             "server": server_desc, "attention_backend": backend,
             "kv_pool_tokens": R.kv_pool_tokens(info),

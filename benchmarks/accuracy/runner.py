@@ -31,10 +31,12 @@ from tqdm import tqdm
 
 from benchmarks.accuracy import tasks as T
 from sglang_ext.config import (
+    LOCALITY_FILTER_SCALE,
     LOCALITY_NEW_SHARE,
     LOCALITY_SHARE,
     locality_blocks_for_share,
     locality_candidate_blocks,
+    locality_limited_candidate_blocks,
     locality_new_blocks_for_share,
 )
 
@@ -158,7 +160,8 @@ def shrunk_sink_window(budget: int, sink: int = DEFAULT_SINK,
 def sparse_settings(methods: Sequence[str], budgets: Sequence[int], block_size: int,
                     sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW,
                     locality_share: float = LOCALITY_SHARE,
-                    new_share: float = LOCALITY_NEW_SHARE) -> list[Setting]:
+                    new_share: float = LOCALITY_NEW_SHARE,
+                    filter_scale: float = LOCALITY_FILTER_SCALE) -> list[Setting]:
     """Dense first, then every (method, budget). Sink and window shrink for small budgets
     (sink <= budget/8, window <= budget/4) so that budget 64 is valid and still leaves most of
     it to the selected tokens."""
@@ -177,6 +180,9 @@ def sparse_settings(methods: Sequence[str], budgets: Sequence[int], block_size: 
             if sparse.pop(LIMITED_NEW_BLOCKS, False):
                 sparse["locality_new_blocks"] = locality_new_blocks_for_share(new_share, b, s, w,
                                                                               block_size)
+                if filter_scale != 1:
+                    sparse["candidate_blocks"] = locality_limited_candidate_blocks(
+                        filter_scale, b, s, w, block_size)
             if sparse.get("locality_blocks") == SHARE_OF_MIDDLE:
                 k_e = locality_blocks_for_share(locality_share, b, s, w, block_size)
                 sparse["locality_blocks"] = k_e
