@@ -150,28 +150,35 @@ def test_settings_are_valid_overrides():
 
 def test_locality_variants_use_the_shared_share_of_the_selected_blocks(tmp_path):
     """k_e = LOCALITY_SHARE of the middle blocks, the key_norm score the batched decode runs,
-    and a block filter sized for the query-aware rest: the GPU locality run's setting."""
+    and a block filter sized for the query-aware rest (locality_wide: the automatic one);
+    locality_limited, the GPU locality run's setting: the automatic filter, of which
+    LOCALITY_NEW_SHARE may be new per step."""
     from sglang_ext.attention.request_overrides import parse_override
-    from sglang_ext.config import LOCALITY_SHARE, build_config
+    from sglang_ext.config import LOCALITY_NEW_SHARE, LOCALITY_SHARE, build_config
     from sglang_ext.selection.eviction_head import EvictionHeads, save_eviction_heads
 
     heads = tmp_path / "heads.safetensors"
     save_eviction_heads(EvictionHeads(1, 1, 4), heads, model="tiny")
     base = build_config(eviction_head=str(heads))
-    methods = ["locality", "locality_learned", "locality_wide", "locality_attention"]
+    methods = ["locality", "locality_learned", "locality_wide", "locality_attention",
+               "locality_limited"]
     settings = R.sparse_settings(methods, [64, 128, 256], block_size=4)
     score = {"locality": "key_norm", "locality_learned": "learned", "locality_wide": "key_norm",
-             "locality_attention": "attention"}
+             "locality_attention": "attention", "locality_limited": "key_norm"}
+    whole_middle = ("locality_wide", "locality_limited")
     for st in settings[1:]:
         sel = parse_override(st.custom_params, base)
         middle_blocks = (sel.budget - sel.sink - sel.window) // 4
         assert sel.method == "two_level"
         assert sel.locality_blocks == int(middle_blocks * LOCALITY_SHARE) > 0
         # locality_wide keeps the automatic filter: twice the whole middle
-        assert sel.candidate_blocks == 2 * (middle_blocks if st.method == "locality_wide"
+        assert sel.candidate_blocks == 2 * (middle_blocks if st.method in whole_middle
                                             else middle_blocks - sel.locality_blocks)
         assert sel.eviction_score == score[st.method]
+        assert sel.locality_new_blocks == (int(sel.candidate_blocks * LOCALITY_NEW_SHARE)
+                                           if st.method == "locality_limited" else 0)
         assert R.WHOLE_MIDDLE_FILTER not in st.custom_params["sparse"]
+        assert R.LIMITED_NEW_BLOCKS not in st.custom_params["sparse"]
     learned = next(st for st in settings if st.method == "locality_learned")
     with pytest.raises(ValueError, match="eviction-head"):  # a server without heads: a 400
         parse_override(learned.custom_params, build_config())
