@@ -601,8 +601,6 @@ def locality_gamma_batched(
     batch, num_kv_heads, budget = positions.shape
     if batch == 0:
         return
-    words = state.prev_attended.shape[-1]
-    word_block = min(1024, triton.next_power_of_2(words))
     pos_block = min(1024, triton.next_power_of_2(budget))
     _locality_gamma_kernel[(batch,)](
         state.prev_attended, scratch, positions, slots, req_pool_indices, seq_lens,
@@ -610,7 +608,7 @@ def locality_gamma_batched(
         state.prev_attended.stride(0), state.prev_attended.stride(1), scratch.stride(0),
         scratch.stride(1), positions.stride(0), positions.stride(1),
         BUDGET=budget, BLOCK_SIZE=params.block_size, NUM_KV_HEADS=num_kv_heads,
-        NUM_WORDS=words, WORD_BLOCK=word_block, WORD_TILES=triton.cdiv(words, word_block),
+        **_word_tiling(state.prev_attended.shape[-1]),
         POS_BLOCK=pos_block, POS_TILES=triton.cdiv(budget, pos_block), num_warps=4,
     )
 
