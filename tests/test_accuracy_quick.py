@@ -161,11 +161,13 @@ def test_locality_variants_use_the_shared_share_of_the_selected_blocks(tmp_path)
     save_eviction_heads(EvictionHeads(1, 1, 4), heads, model="tiny")
     base = build_config(eviction_head=str(heads))
     methods = ["locality", "locality_learned", "locality_wide", "locality_attention",
-               "locality_limited"]
+               "locality_limited", "locality_limited_learned"]
     settings = R.sparse_settings(methods, [64, 128, 256], block_size=4)
     score = {"locality": "key_norm", "locality_learned": "learned", "locality_wide": "key_norm",
-             "locality_attention": "attention", "locality_limited": "key_norm"}
-    whole_middle = ("locality_wide", "locality_limited")
+             "locality_attention": "attention", "locality_limited": "key_norm",
+             "locality_limited_learned": "learned"}
+    limited = ("locality_limited", "locality_limited_learned")
+    whole_middle = ("locality_wide", *limited)
     for st in settings[1:]:
         sel = parse_override(st.custom_params, base)
         middle_blocks = (sel.budget - sel.sink - sel.window) // 4
@@ -176,7 +178,7 @@ def test_locality_variants_use_the_shared_share_of_the_selected_blocks(tmp_path)
                                             else middle_blocks - sel.locality_blocks)
         assert sel.eviction_score == score[st.method]
         assert sel.locality_new_blocks == (int(sel.candidate_blocks * LOCALITY_NEW_SHARE)
-                                           if st.method == "locality_limited" else 0)
+                                           if st.method in limited else 0)
         assert R.WHOLE_MIDDLE_FILTER not in st.custom_params["sparse"]
         assert R.LIMITED_NEW_BLOCKS not in st.custom_params["sparse"]
     learned = next(st for st in settings if st.method == "locality_learned")

@@ -82,7 +82,8 @@ def sparse_server_args(block_size: int, dense_decode: str = "float32",
     only sets the default). ``dense_decode``: how the dense requests decode (float32 by default:
     the same attention as SGLang's bf16 SDPA call, ~8x faster per request on a CPU).
     ``head_policy``: a per-head policy file (the ``head_policy`` method's requests use it).
-    ``eviction_head``: trained eviction heads (the ``locality_learned`` method's requests)."""
+    ``eviction_head``: trained eviction heads (the ``locality_learned`` and
+    ``locality_limited_learned`` methods' requests)."""
     args = ["--attention-backend", "sglang_ext", "--sparse-block-size", str(block_size),
             "--sparse-dense-decode", dense_decode]
     if os.path.exists(LABELS):
@@ -114,7 +115,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--eviction-head", default=None,
                    help="trained eviction heads for the servers (python -m "
                         "sglang_ext.selection.train_eviction); needed by --methods "
-                        "locality_learned")
+                        "locality_learned and locality_limited_learned")
     p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="samples per (task, context)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help="tokens per block (4 for this CPU model; 16 is the GPU default)")
@@ -280,8 +281,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t_start = time.time()
     if "head_policy" in args.methods and not args.head_policy and not args.server_url:
         raise SystemExit("accuracy: --methods head_policy needs --head-policy FILE")
-    if "locality_learned" in args.methods and not args.eviction_head and not args.server_url:
-        raise SystemExit("accuracy: --methods locality_learned needs --eviction-head FILE")
+    for learned in ("locality_learned", "locality_limited_learned"):
+        if learned in args.methods and not args.eviction_head and not args.server_url:
+            raise SystemExit(f"accuracy: --methods {learned} needs --eviction-head FILE")
     settings = R.sparse_settings(args.methods, args.budgets, args.block_size, args.sink, args.window,
                                  args.locality_share, args.locality_new_share,
                                  args.locality_filter_scale)

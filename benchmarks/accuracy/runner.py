@@ -77,6 +77,10 @@ VARIANTS = {
     "locality_limited": {"method": "two_level", "head_policy": False,
                          "locality_blocks": SHARE_OF_MIDDLE, "eviction_score": "key_norm",
                          WHOLE_MIDDLE_FILTER: True, LIMITED_NEW_BLOCKS: True},
+    # The same with the trained eviction heads (servers with --sparse-eviction-head).
+    "locality_limited_learned": {"method": "two_level", "head_policy": False,
+                                 "locality_blocks": SHARE_OF_MIDDLE, "eviction_score": "learned",
+                                 WHOLE_MIDDLE_FILTER: True, LIMITED_NEW_BLOCKS: True},
 }
 ALL_METHODS = METHODS + tuple(VARIANTS)
 DENSE = "dense"
@@ -555,7 +559,8 @@ def render_plot(doc: dict, path: str) -> None:
     colors = {"quest": "tab:blue", "ds": "tab:orange", "two_level": "tab:green",
               "output_aware": "tab:red", "head_policy": "tab:purple", "locality": "tab:brown",
               "locality_learned": "tab:pink", "locality_wide": "tab:olive",
-              "locality_attention": "tab:cyan"}
+              "locality_attention": "tab:cyan", "locality_limited": "tab:gray",
+              "locality_limited_learned": "black"}
 
     def get(task, ctx, method, budget):
         if task == "mean":
