@@ -373,44 +373,32 @@ def _admit_kernel(
     BLOCK_SCORES,
     FRESH,
     ADMITTED,
-    PREV_FILTER,
-    REQ_POOL_INDICES,
-    SEQ_LENS,
     stride_bb,
     stride_bg,
-    stride_pr,
-    stride_pg,
     stride_ab,
     stride_ag,
     max_blocks,
-    BUDGET: tl.constexpr,
     LIMIT: tl.constexpr,
     LIMIT_PAD: tl.constexpr,
-    NUM_WORDS: tl.constexpr,
-    WORD_BLOCK: tl.constexpr,
-    WORD_TILES: tl.constexpr,
     TILE: tl.constexpr,
     NUM_TILES: tl.constexpr,
 ):
-    """Program (b, g) of a limited row: every candidate outside the previous filter sits this
-    step out (``-inf``) except the ``LIMIT`` admitted ones (``ADMITTED``, the top-k of
-    ``FRESH``), which get their score back."""
+    """Program (b, g): every candidate outside the previous filter (finite in ``FRESH``) sits
+    this step out (``-inf``) except the ``LIMIT`` admitted ones (``ADMITTED``, the top-k of
+    ``FRESH``), which get their score back. Rows that are not limited have an all ``-inf``
+    ``FRESH`` (no admitted ids either), so they are left as they are."""
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
-    seq_len = tl.load(SEQ_LENS + b)
-    row = tl.load(REQ_POOL_INDICES + b).to(tl.int64)
-    prev = PREV_FILTER + row * stride_pr + g * stride_pg
-    if (seq_len > BUDGET) & (_has_prev(prev, NUM_WORDS, WORD_BLOCK, WORD_TILES) > 0):
-        scores = BLOCK_SCORES + b * stride_bb + g * stride_bg
-        fresh = FRESH + b * stride_bb + g * stride_bg
-        for it in range(NUM_TILES):
-            j = it * TILE + tl.arange(0, TILE)
-            f = tl.load(fresh + j, mask=j < max_blocks, other=float("-inf"))
-            tl.store(scores + j, float("-inf"), mask=(j < max_blocks) & (f > float("-inf")))
-        tl.debug_barrier()
-        a = tl.arange(0, LIMIT_PAD)
-        ids = tl.load(ADMITTED + b * stride_ab + g * stride_ag + a, mask=a < LIMIT, other=-1)
-        tl.store(scores + ids, tl.load(fresh + ids, mask=ids >= 0, other=0.0), mask=ids >= 0)
+    scores = BLOCK_SCORES + b * stride_bb + g * stride_bg
+    fresh = FRESH + b * stride_bb + g * stride_bg
+    for it in range(NUM_TILES):
+        j = it * TILE + tl.arange(0, TILE)
+        f = tl.load(fresh + j, mask=j < max_blocks, other=float("-inf"))
+        tl.store(scores + j, float("-inf"), mask=(j < max_blocks) & (f > float("-inf")))
+    tl.debug_barrier()
+    a = tl.arange(0, LIMIT_PAD)
+    ids = tl.load(ADMITTED + b * stride_ab + g * stride_ag + a, mask=a < LIMIT, other=-1)
+    tl.store(scores + ids, tl.load(fresh + ids, mask=ids >= 0, other=0.0), mask=ids >= 0)
 
 
 @triton.jit
@@ -469,18 +457,16 @@ def limit_new_blocks_batched(
     prev = state.prev_filter
     tiles = dict(TILE=min(tile, triton.next_power_of_2(max_blocks)))
     tiles["NUM_TILES"] = triton.cdiv(max_blocks, tiles["TILE"])
-    words = _word_tiling(prev.shape[-1])
     _fresh_scores_kernel[(batch, num_kv_heads)](
         block_scores, fresh, prev, req_pool_indices, seq_lens, block_scores.stride(0),
         block_scores.stride(1), prev.stride(0), prev.stride(1), max_blocks,
-        BUDGET=params.budget, **words, **tiles, num_warps=4,
+        BUDGET=params.budget, **_word_tiling(prev.shape[-1]), **tiles, num_warps=4,
     )
     topk_masked(fresh, limit, out=admitted, impl=impl)
     _admit_kernel[(batch, num_kv_heads)](
-        block_scores, fresh, admitted, prev, req_pool_indices, seq_lens, block_scores.stride(0),
-        block_scores.stride(1), prev.stride(0), prev.stride(1), admitted.stride(0),
-        admitted.stride(1), max_blocks, BUDGET=params.budget, LIMIT=limit,
-        LIMIT_PAD=triton.next_power_of_2(limit), **words, **tiles, num_warps=4,
+        block_scores, fresh, admitted, block_scores.stride(0), block_scores.stride(1),
+        admitted.stride(0), admitted.stride(1), max_blocks, LIMIT=limit,
+        LIMIT_PAD=triton.next_power_of_2(limit), **tiles, num_warps=4,
     )
 
 

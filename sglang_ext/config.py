@@ -392,13 +392,20 @@ LOCALITY_NEW_SHARE = 1 / 4
 LOCALITY_FILTER_SCALE = 1
 
 
-def locality_new_blocks_for_share(share: float, budget: int, sink: int, window: int,
-                                  block_size: int) -> int:
-    """``--sparse-locality-new-blocks`` that lets ``share`` of the automatic block filter
-    (``SparseConfig.effective_candidate_blocks``) enter per step (at least 1)."""
+def _share_of_automatic_filter(share: float, budget: int, sink: int, window: int,
+                               block_size: int) -> int:
+    """``share`` of the automatic block filter (``SparseConfig.effective_candidate_blocks``),
+    at least 1 block."""
     auto = SparseConfig(budget=budget, sink=sink, window=window,
                         block_size=block_size).effective_candidate_blocks
     return max(1, int(auto * share))
+
+
+def locality_new_blocks_for_share(share: float, budget: int, sink: int, window: int,
+                                  block_size: int) -> int:
+    """``--sparse-locality-new-blocks`` that lets ``share`` of the automatic block filter
+    enter per step (at least 1: 0 would mean no limit)."""
+    return _share_of_automatic_filter(share, budget, sink, window, block_size)
 
 
 def locality_limited_candidate_blocks(scale: float, budget: int, sink: int, window: int,
@@ -406,9 +413,7 @@ def locality_limited_candidate_blocks(scale: float, budget: int, sink: int, wind
     """The block filter of the limited setting: ``scale`` times the automatic one. A wider
     filter keeps more of the recent blocks resident (the limit only bounds what enters), so a
     block that leaves the query's favour for a few steps is still there when it returns."""
-    auto = SparseConfig(budget=budget, sink=sink, window=window,
-                        block_size=block_size).effective_candidate_blocks
-    return max(1, int(auto * scale))
+    return _share_of_automatic_filter(scale, budget, sink, window, block_size)
 
 
 def locality_blocks_for_share(share: float, budget: int, sink: int, window: int,
