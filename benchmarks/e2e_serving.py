@@ -126,6 +126,9 @@ def stop(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+GIB = 1 << 30  # the "GB" of SGLang's "KV Cache is allocated" line
+
+
 def server_log_stats(log_text: str) -> dict[str, int]:
     """What the server log says happened. bench_serving counts error replies as completed, so
     the driver also checks that the server really prefilled the prompts and decoded."""
@@ -141,8 +144,9 @@ def server_log_stats(log_text: str) -> dict[str, int]:
         r"Decode batch, .*gen throughput \(token/s\): ([\d.]+)", log_text)]
     return {
         "max_total_num_tokens": int(capacity[-1]) if capacity else None,
-        # per rank: the device KV pool SGLang allocated and the pinned host store of the tier
-        "device_kv_gb": round(float(kv[0][0]) + float(kv[0][1]), 3) if kv else None,
+        # per rank: the device KV pool SGLang allocated and the pinned host store of the tier,
+        # both in GB of 1e9 bytes (SGLang's log line counts GiB; ours, GB)
+        "device_kv_gb": round((float(kv[0][0]) + float(kv[0][1])) * GIB / 1e9, 3) if kv else None,
         "host_store_gb": float(host[0]) if host else None,
         "tier_stats": json.loads(tier[-1]) if tier else None,
         "guard_probes_raised_lowered": [int(x) for x in guard[-1]] if guard else None,

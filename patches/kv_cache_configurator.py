@@ -135,7 +135,7 @@ def _around_derive_pool_sizes(original: Callable, self: Any, *, config: Any) -> 
             window=cfg.window,
             # key min + max per block (head_dim values each) over a token's K + V row
             summary_tokens_per_token=2.0 * layout.head_dim / row_dims / cfg.block_size,
-            gpu_tokens=cfg.tier_gpu_tokens,
+            gpu_tokens=cfg.tier_gpu_tokens, layers=layers,
         )
     except ValueError as e:
         raise SystemExit(f"sglang_ext: {e}") from None

@@ -1,15 +1,15 @@
 """Scheduler: the CPU tier's prefill admission and queue gauge.
 
-**Admission.** SGLang admits a prefill against free KV slots; the tier also needs device pages
-in its working area to stage the prompt (tiered_pool.py). Sizing that area for one whole prompt
-plus one prefill batch (``plan_layout``) holds while a single long prompt is staged, but a second
-request whose prefix is a radix hit on host pages stages that whole prefix at its first chunk:
-two 128k prompts sharing host prefixes exhausted the area on the H200 (a scheduler crash). So
-``PrefillAdder.add_one_req`` refuses (``OTHER``: try again next round, the request keeps its
-place in the queue) a request whose staging plus working set does not fit in
-``TieredKVPool.staging_room``, which already reserves what the chunk-prefilled request and the
-rows not yet decoding will take. A lone request always fits (the layout guarantees it), so
-nothing waits forever.
+**Admission.** SGLang admits a prefill against free KV slots; with the tier, an extend batch
+that touches host-homed pages also attends through the pool's extend scratch, one layer of rows
+for the whole batch (prefix and new tokens of every request in it: tiered_pool.py), and each
+admitted request takes a working set in the working area. The scratch is sized for one whole
+prompt plus one prefill batch (``plan_layout``), but a second request whose prefix is a radix
+hit adds that whole prefix to the batch: two 128k prompts sharing host prefixes would overflow
+it. So ``PrefillAdder.add_one_req`` refuses (``OTHER``: try again next round, the request keeps
+its place in the queue) a request whose scratch rows or working set do not fit in
+``TieredPool.admission_room``, which already counts the chunk-prefilled request and the rows not
+yet decoding. A lone request always fits (the layout guarantees it), so nothing waits forever.
 
 **Gauge** (``sglang_ext:tier_requests_waiting_for_space``).
 
@@ -46,7 +46,7 @@ def _after_get_next_batch_to_run(result: Any, scheduler: Any, *args: Any, **kwar
 
 
 _chunked_req: Any = None  # the scheduler's chunk-prefilled request, during get_new_batch_prefill
-_CLAIMED = "_sglang_ext_staging_claimed"  # pages claimed by requests this adder admitted
+_CLAIMED = "_sglang_ext_tier_claimed"  # (scratch, working-area) pages this adder's requests took
 
 
 def _around_get_new_batch_prefill(original: Callable, scheduler: Any, *args: Any,
@@ -73,15 +73,15 @@ def _around_add_one_req(original: Callable, adder: Any, req: Any, *args: Any,
     if pool is None:
         return original(adder, req, *args, **kwargs)
     chunked = _chunked_req
-    remaining = 0 if chunked is None or chunked is req else \
-        total_tokens(chunked) - len(chunked.prefix_indices)
-    need = pool.staging_need(req.prefix_indices, total_tokens(req) - len(req.prefix_indices))
-    claimed = getattr(adder, _CLAIMED, 0)
-    if claimed + need > pool.staging_room(remaining):
+    chunked_tokens = 0 if chunked is None or chunked is req else total_tokens(chunked)
+    need = pool.admission_need(total_tokens(req))
+    claimed = getattr(adder, _CLAIMED, (0, 0))
+    room = pool.admission_room(chunked_tokens)
+    if any(c + n > r for c, n, r in zip(claimed, need, room)):
         return AddReqResult.OTHER
     result = original(adder, req, *args, **kwargs)
     if any(r is req for r in adder.can_run_list):
-        setattr(adder, _CLAIMED, claimed + need)
+        setattr(adder, _CLAIMED, tuple(c + n for c, n in zip(claimed, need)))
     return result
 
 

@@ -77,13 +77,15 @@ def test_capacity_against_the_physical_limit_comes_from_the_logs() -> None:
 
     fi = {"backend": "flashinfer", **server_log_stats(FI_LOG)}
     tier = {"backend": "sglang_ext_tier", **server_log_stats(TIER_LOG)}
-    assert fi["device_kv_gb"] == 96.56 and fi["host_store_gb"] is None
+    # SGLang's line counts GiB (2 x 48.28), the tier's host store GB: the limit takes both in GB
+    assert fi["device_kv_gb"] == round(96.56 * 2**30 / 1e9, 3) and fi["host_store_gb"] is None
     assert tier["host_store_gb"] == 48.0 and tier["max_total_num_tokens"] == 585952
     rows = [fi, tier]
     capacity_vs_limit(rows)
     assert "capacity_ratio" not in fi
     assert tier["capacity_ratio"] == round(585952 / 1265744, 3)
-    assert tier["capacity_limit"] == round((96.56 + 48.0) / 96.56, 3)
+    device_gb = 96.56 * 2**30 / 1e9
+    assert tier["capacity_limit"] == round((device_gb + 48.0) / device_gb, 3)
     assert tier["capacity_vs_limit"] == round(tier["capacity_ratio"] / tier["capacity_limit"], 3)
 
 

@@ -1,11 +1,13 @@
-"""The CPU tier's prefill admission (patches/scheduler.py, ``TieredKVPool.staging_room``).
+"""The CPU tier's prefill admission (patches/scheduler.py, ``TieredPool.admission_room``).
 
-The working area is sized for one whole prompt staged at once plus a working set per running
-request. A second request whose prefix is a radix hit on host pages stages that whole prefix at
-its first chunk; admitted while the first long prompt is still staged, it left no room for the
-first one's working set (the H200 locality run at 128k crashed the scheduler that way). These
-tests replay that sequence on a small pool: without the admission check it exhausts the area,
-with it the second request waits until the first decodes, then fits.
+An extend batch that touches host-homed pages attends through the pool's extend scratch, sized
+for one whole prompt plus one prefill batch; a second request whose prefix is a radix hit on
+host pages brings that whole prefix into the batch. Admitted beside a long prompt still being
+prefilled, it would overflow the scratch (on the H200 the same sequence, when prompts were
+staged in the working area, crashed the scheduler at 128k). These tests replay that sequence on
+a small pool: without the admission check the batch does not fit, with it the second request
+waits until the first one's prompt is done, then fits; a working set per running request is
+the other bound.
 """
 
 from __future__ import annotations
@@ -60,57 +62,63 @@ def _admit(adder: _Adder, req: SimpleNamespace) -> AddReqResult:
                                      truncation_align_size=None)
 
 
-def test_without_admission_a_host_prefix_staged_beside_a_long_prompt_exhausts_the_area():
-    """The H200 sequence: A's last chunk and B's first one (its 48-token host prefix staged at
-    once) share a prefill batch; at the next one A turns to decoding and finds no room for its
-    working set."""
+def test_without_admission_a_host_prefix_beside_a_long_prompt_overflows_the_scratch():
+    """The H200 sequence: A's whole prompt and B's (its 48-token host prefix and the rest) in
+    one prefill batch."""
     pool, r2t = _pool()
-    pool.prepare_extend(r2t, [1, 2], [PROMPT, PROMPT], [0, 48])
-    with pytest.raises(RuntimeError, match="working area exhausted"):
-        pool.prepare_extend(r2t, [], [], [])  # A (not in this batch) starts decoding
+    with pytest.raises(RuntimeError, match="does not fit in the extend scratch"):
+        pool.prepare_extend(r2t, [1, 2], [PROMPT, PROMPT], [0, 48])
 
 
-def test_admission_holds_the_second_prompt_until_the_first_decodes(monkeypatch):
+def test_admission_holds_the_second_prompt_until_the_first_ones_is_done(monkeypatch):
     pool, r2t = _pool()
     monkeypatch.setattr(tiered_pool, "_active", pool)
     a, b = _req(r2t, 1, 0), _req(r2t, 2, 48)
     # in one round, A is admitted on the idle pool and B is not: the adder counts A's claim
     adder = _Adder()
     assert _admit(adder, a) == AddReqResult.CONTINUE
-    assert getattr(adder, sched._CLAIMED) == pool.staging_need(a.prefix_indices, PROMPT)
+    assert getattr(adder, sched._CLAIMED) == pool.admission_need(PROMPT)
     assert _admit(adder, b) == AddReqResult.OTHER and adder.can_run_list == [a]
-    # while A's prompt is staged and it has not decoded, B still waits; refusing touches nothing
-    pool.prepare_extend(r2t, [1], [PROMPT], [0])
+    # while A is chunk-prefilled (16 of its tokens done), B still waits; refusing touches nothing
+    pool.prepare_extend(r2t, [1], [16], [0])
+    monkeypatch.setattr(sched, "_chunked_req", a)
     free_before = pool.work.available
     assert _admit(_Adder(), b) == AddReqResult.OTHER
     assert pool.work.available == free_before
-    # A decodes (its staging is dropped): B fits, and everything it takes is there
-    pool.start_decoding(r2t, 1)
+    # A's prompt is done (it has not decoded yet): B fits, and everything it takes is there
+    monkeypatch.setattr(sched, "_chunked_req", None)
+    pool.prepare_extend(r2t, [1], [PROMPT], [16])
     assert _admit(_Adder(), b) == AddReqResult.CONTINUE
     pool.prepare_extend(r2t, [2], [PROMPT], [48])
     pool.start_decoding(r2t, 2)
+    # two requests hold or will hold a working set: a third waits for the working area
+    short = SimpleNamespace(prefix_indices=r2t[2, :0].long(), origin_input_ids=[0] * 4,
+                            output_ids=[])
+    assert pool.admission_room()[1] < pool.admission_need(4)[1]
+    assert _admit(_Adder(), short) == AddReqResult.OTHER
     for row in (1, 2):
         pool.release_row(row, r2t)
     pool.check_idle()
+    assert _admit(_Adder(), short) == AddReqResult.CONTINUE
 
 
-def test_the_chunk_prefilled_requests_rest_is_reserved(monkeypatch):
-    """A request mid-way through a chunked prefill will stage the rest of its prompt: that is
-    reserved, so a short request only fits beside it while the rest leaves room."""
+def test_the_chunk_prefilled_requests_prompt_is_reserved(monkeypatch):
+    """A request mid-way through a chunked prefill brings its prefix and next chunk into every
+    batch until its prompt is done: its whole prompt is reserved in the scratch, so a short
+    request fits beside it and a long one does not."""
     pool, r2t = _pool()
     monkeypatch.setattr(tiered_pool, "_active", pool)
     chunked = _req(r2t, 1, 16)  # 16 of its 64 tokens prefilled
     pool.prepare_extend(r2t, [1], [16], [0])
-    room = pool.staging_room()
-    assert pool.staging_room(PROMPT - 16) == room - (PROMPT - 16) // PS - 1
+    room = pool.admission_room()
+    assert pool.admission_room(PROMPT)[0] == room[0] - PROMPT // PS - 1
     monkeypatch.setattr(sched, "_chunked_req", chunked)
     short = SimpleNamespace(prefix_indices=r2t[2, :0].long(), origin_input_ids=[0] * 4,
                             output_ids=[])
-    need = pool.staging_need(short.prefix_indices, 4)
-    assert need <= pool.staging_room(PROMPT - 16)
+    assert pool.admission_need(4)[0] <= pool.admission_room(PROMPT)[0]
     assert _admit(_Adder(), short) == AddReqResult.CONTINUE
     long = _req(r2t, 2, 0)
-    assert pool.staging_need(long.prefix_indices, PROMPT) > pool.staging_room(PROMPT - 16)
+    assert pool.admission_need(PROMPT)[0] > pool.admission_room(PROMPT)[0]
     assert _admit(_Adder(), long) == AddReqResult.OTHER
 
 

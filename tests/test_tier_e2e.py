@@ -2,7 +2,7 @@
 
 Both servers run our backend with the same sparse settings and page size; one has the tier on
 (``--sparse-tier sync``) with only 1024 KV slots homed on the "GPU" (the CPU device here), so
-every long prompt lives mostly in the host store and is prefilled through staging pages. The
+every long prompt lives mostly in the host store and is prefilled through the extend scratch. The
 tier server runs with ``SGLANG_EXT_TIER_VERIFY=2``: every decode step checks that each mapped
 block's device copy (sink, window ring) equals its home copy, and when the last request leaves
 it checks that every working-area page is free again (a leak crashes the server, which the

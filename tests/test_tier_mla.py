@@ -228,7 +228,7 @@ class Side:
             extend_seq_lens_cpu=list(self.lens), extend_prefix_lens_cpu=[0] * len(self.lens),
             extend_prefix_lens=torch.zeros_like(seq), extend_seq_lens=seq, out_cache_loc=loc,
             encoder_lens=None)
-        self.backend.init_forward_metadata(extend)  # the tier stages the prompt pages here
+        self.backend.init_forward_metadata(extend)  # the tier plans the extend scratch here
         n = loc.shape[0]
         mha = sh.hq * (sh.qk_nope + sh.rope)
         for layer in range(sh.layers):
@@ -357,8 +357,9 @@ def test_gpu_deepseek_v2_lite_shapes_sync_tier_equals_no_tier_small_budget() -> 
 
 
 def test_finish_and_abort_free_every_slot():
-    """A request aborted after its prefill (staging pages held, never decoded), one aborted
-    mid-decode and one that finishes: each exit gives its pages back; none is left after."""
+    """A request aborted after its prefill (tracked, never decoded: no working set yet), one
+    aborted mid-decode and one that finishes: each exit gives its pages back; none is left
+    after."""
     model = TinyMlaModel(torch.float32)
     lens = [22, 17, 9]
     side = Side(tier="async", impl="triton", budget=24, dtype=torch.float32, lens=lens, steps=3,
@@ -368,16 +369,17 @@ def test_finish_and_abort_free_every_slot():
     prompts = [torch.randint(0, SMALL.vocab, (n,), generator=gen).tolist() for n in lens]
     total = pool.work.num_pages
     side.prefill(model, prompts, "set_mla_kv_buffer")
-    assert pool.work.available < total and pool._staged
-    # abort the third request before it ever decodes: its staging pages go back
-    staged_before = len(pool._staged)
+    # the prompts are on their homes: the working area holds nothing until a row decodes
+    assert pool.work.available == total and set(pool.pending_rows()) == set(side.rows)
+    # abort the third request before it ever decodes
     side.release(side.rows[2])
-    assert len(pool._staged) < staged_before and side.rows[2] not in pool.rows
+    assert side.rows[2] not in pool.rows
     side.rows, side.lens = side.rows[:2], side.lens[:2]
     tokens = [p[-1] for p in prompts[:2]]
     for _ in range(2):
         tokens, _ = side.decode(model, tokens)
-    assert not pool._staged and set(pool.rows) == set(side.rows)
+    assert set(pool.rows) == set(side.rows) and not pool.pending_rows()
+    assert pool.work.available == total - 2 * pool.pages_per_request
     free = pool.work.available
     side.release(side.rows[1])  # abort mid-decode
     assert pool.work.available > free and side.rows[1] not in pool.rows

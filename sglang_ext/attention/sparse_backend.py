@@ -386,8 +386,11 @@ class SparseDecodeBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         mode = forward_batch.forward_mode
-        if self.tiered is not None and not mode.is_idle():
-            self._prepare_tier(forward_batch)
+        if self.tiered is not None:
+            if mode.is_idle():
+                self.tiered.end_extend()
+            else:
+                self._prepare_tier(forward_batch)
         if mode.is_decode_or_idle():
             if mode.is_idle() or self.impl == "triton":
                 # The kernels read req_pool_indices / seq_lens from the batch on the device.
@@ -498,7 +501,7 @@ class SparseDecodeBackend(AttentionBackend):
         self._guard_counts += torch.stack([probed.sum(), (delta > 0).sum(), (delta < 0).sum()])
 
     def _prepare_tier(self, forward_batch: ForwardBatch) -> None:
-        """Host-side tier work before a batch: stage prefill pages (extend), start decoding
+        """Host-side tier work before a batch: plan the extend scratch (extend), start decoding
         requests whose prefill is done and map each decode token's block (decode)."""
         pool = self.tiered
         req_to_token = self.req_to_token_pool.req_to_token
@@ -767,10 +770,10 @@ class SparseDecodeBackend(AttentionBackend):
         if self.kv_lora_rank is not None:
             # The rows stored: an MLA extend's k is then the per-head MHA key (qk_nope + rope
             # dims of each query head), not the latent row the pool holds. With the CPU tier
-            # they are at the device rows of the logical slots (staging/ring/GPU-homed pages).
+            # they are where the extend's attention reads them (the scratch, or GPU-homed rows).
             rows = forward_batch.out_cache_loc
             if self.tiered is not None:
-                rows = self.tiered.translate(rows)
+                rows = self.tiered.written_rows(rows, layer.layer_id)
             keys = self.token_to_kv_pool.get_key_buffer(layer.layer_id).index_select(0, rows)
         else:
             keys = k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim)

@@ -11,30 +11,34 @@ SGLang's allocator hands out the lowest free pages first after start-up, so the 
 before the host; a request can mix both kinds. Device rows ``[G, G + W)`` are the **working
 area** (:class:`WorkArea`), in ``page_size`` pages:
 
-* prefill stays dense on the GPU: every host-homed page a prefill touches (new tokens, and a
-  radix-hit or earlier-chunk prefix) gets a *staging* page there, shared by logical page and
-  reference counted (two prefills of one prefix share it), loaded from the host when it
-  already holds data; SGLang's dense extend backend reads the device through a translated
-  ``dev_req_to_token`` and writes through :meth:`TieredKVPool.set_kv_buffer`, which writes
-  device rows and, for host-homed pages, the host copy (write-through);
-* once a request's prefill is done (its first decode step), its staging pages are dropped:
-  it keeps sink pages, a ring of recent-window pages (decode writes land there) and
-  ``num_slots`` working-set slots (:class:`WorkingSetTier`), which the sparse decode fills
-  from the host by the set difference of consecutive selections. The slots start with the
-  middle blocks nearest the window, copied from staging (the first decode step has no previous
-  selection to attend), and a selected block still in the ring gets a slot before the ring
-  reuses its page: with a budget >= the context the tiered decode is exact from the first step
-  under both schedules (tests/test_tier_decode_steps.py).
+* prefill stays dense on the GPU, but a prompt is never staged in the working area: its KV is
+  written to its homes (GPU rows, or the host copy: write-through) and an extend batch that
+  touches host-homed pages attends through the **extend scratch**, one layer's worth of rows
+  (:class:`ExtendScratch`): before each layer's attention the batch's prefix pages are copied
+  into it (GPU-homed ones device to device, host-homed ones from the host), and the new tokens
+  are written there too. SGLang's dense extend backend reads the scratch through a translated
+  ``dev_req_to_token`` (:meth:`TieredPool.get_key_buffer` returns the scratch while such an
+  extend runs); a batch with no host-homed page reads the pool in place. The scratch costs one
+  layer of rows for the longest prompt plus a prefill batch, against a whole prompt of every
+  layer had the prompt been staged, which is what lets the GPU home more KV (issue 4's capacity);
+* once a request's prefill is done (its first decode step), it takes sink pages, a ring of
+  recent-window pages (decode writes land there) and ``num_slots`` working-set slots
+  (:class:`WorkingSetTier`), which the sparse decode fills from the host by the set difference
+  of consecutive selections. The slots start with the middle blocks nearest the window, loaded
+  from the host with the sink and ring pages (the first decode step has no previous selection
+  to attend), and a selected block still in the ring gets a slot before the ring reuses its
+  page: with a budget >= the context the tiered decode is exact from the first step under both
+  schedules (tests/test_tier_decode_steps.py).
 
 Per request the decode reads keys through ``WorkingSetTier.page_maps`` (block -> device page,
 per layer and kv head): GPU-homed blocks map to themselves, sink/window blocks to their pages,
-selected host blocks to working-set slots. The working area is sized at start-up for the
-worst case (the longest prompt staged at once plus a working set per running request), and
-SGLang admits a prefill only while the working area can stage it on top of what the requests
-already admitted will take (:meth:`TieredKVPool.staging_room`, patches/scheduler.py): a second
-long prompt whose prefix is a radix hit on host pages waits in the queue until the first one
-decodes, instead of exhausting the area. Every exit of a request (finish, abort,
-retract) goes through ``ReqToTokenPool.free``, which calls :meth:`TieredKVPool.release_row`.
+selected host blocks to working-set slots. The working area holds a working set per running
+request; the scratch is sized for the longest prompt plus one prefill batch, and SGLang admits a
+prefill only while this batch's scratch rows and the working sets fit
+(:meth:`TieredPool.admission_room`, patches/scheduler.py): a second long prompt whose prefix is a
+radix hit waits in the queue while the first one is still being chunk-prefilled, instead of
+overflowing the scratch. Every exit of a request (finish, abort, retract) goes through
+``ReqToTokenPool.free``, which calls :meth:`TieredPool.release_row`.
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ class TierLayout:
     sink_pages: int
     ring_pages: int
     num_slots: int
+    scratch_tokens: int = 0  # rows of the extend scratch (one layer's worth)
 
     @property
     def logical_tokens(self) -> int:
@@ -93,40 +98,45 @@ class TierLayout:
 
     def describe(self) -> str:
         return (f"GPU-homed {self.gpu_tokens} tokens, host-homed {self.host_tokens} tokens, "
-                f"working area {self.work_tokens} tokens (page {self.page_size})")
+                f"working area {self.work_tokens} tokens, extend scratch {self.scratch_tokens} "
+                f"rows of one layer (page {self.page_size})")
 
 
 def plan_layout(
     *, device_tokens: int, host_tokens: int, page_size: int, max_running_requests: int,
     max_prefill_tokens: int, num_slots: int, sink: int, window: int,
-    summary_tokens_per_token: float, gpu_tokens: int = 0,
+    summary_tokens_per_token: float, gpu_tokens: int = 0, layers: int = 1,
 ) -> TierLayout:
-    """Split SGLang's profiled device capacity (``device_tokens`` KV slots) into GPU-homed
-    slots and the working area, leaving room for the page summaries of the extra logical
+    """Split SGLang's profiled device capacity (``device_tokens`` KV slots of ``layers``
+    layers) into GPU-homed slots, the working area and the extend scratch (one layer of rows:
+    ``1 / layers`` KV slot each), leaving room for the page summaries of the extra logical
     slots. ``summary_tokens_per_token``: device bytes of summaries per logical token, in KV
     slots (1 / page_size for bf16 min/max). ``gpu_tokens`` > 0 forces G (tests)."""
     ps = page_size
     sink_pages = -(-sink // ps)
     ring_pages = tier_ring_pages(window, ps)
     per_request = (sink_pages + ring_pages + num_slots) * ps
-    # Staging holds the chunked request's whole prompt plus one prefill batch of others.
-    staging = -(-max_prefill_tokens // ps) * ps + max_running_requests * ps
-    work = max_running_requests * per_request + staging
+    work = max_running_requests * per_request
+    # The scratch holds one extend batch: the chunked request's whole prompt plus one prefill
+    # batch of others, a partial page per request, and the padding page.
+    scratch = (-(-max_prefill_tokens // ps) + max_running_requests + 1) * ps
+    scratch_slots = -(-scratch // max(layers, 1))
     host = host_tokens // ps * ps
     if gpu_tokens <= 0:
-        # G + W + (G + H) * r <= device_tokens * (1 + r): the summaries of the logical slots
-        # beyond the device capacity come out of the GPU-homed part.
+        # G + W + S / L + (G + H) * r <= device_tokens * (1 + r): the summaries of the logical
+        # slots beyond the device capacity come out of the GPU-homed part.
         r = summary_tokens_per_token
-        gpu_tokens = int((device_tokens * (1 + r) - work - host * r) / (1 + r))
+        gpu_tokens = int((device_tokens * (1 + r) - work - scratch_slots - host * r) / (1 + r))
     gpu = gpu_tokens // ps * ps
     if gpu < ps:
         raise ValueError(
             f"the CPU tier's working area ({work} tokens: {max_running_requests} running "
-            f"requests x {per_request} + {staging} prefill staging) and the summaries of "
-            f"{host} host tokens leave no GPU KV slots out of {device_tokens}; lower "
-            f"--max-running-requests or --sparse-tier-host-gb, or raise --mem-fraction-static"
+            f"requests x {per_request}), its extend scratch ({scratch} rows of one layer) and "
+            f"the summaries of {host} host tokens leave no GPU KV slots out of {device_tokens}; "
+            f"lower --max-running-requests or --sparse-tier-host-gb, or raise "
+            f"--mem-fraction-static"
         )
-    return TierLayout(ps, gpu, work, host, sink_pages, ring_pages, num_slots)
+    return TierLayout(ps, gpu, work, host, sink_pages, ring_pages, num_slots, scratch)
 
 
 class WorkArea:
@@ -157,10 +167,23 @@ class WorkArea:
 
 
 @dataclass
+class ExtendScratch:
+    """One extend batch that touches host-homed pages: where its tokens sit in the scratch and
+    what fills it before each layer's attention (built by :meth:`TieredPool.prepare_extend`)."""
+
+    out_rows: Tensor  # scratch row of each token the batch writes, in out_cache_loc order
+    copy_src: Tensor  # device rows of the GPU-homed prefix pages' tokens
+    copy_dst: Tensor  # their scratch rows
+    load_heads: Tensor  # host-homed prefix pages, one entry per (page, kv head):
+    load_src: Tensor  # host page
+    load_dst: Tensor  # scratch page
+    filled: int = -1  # the layer index whose prefix the scratch holds now
+
+
+@dataclass
 class RowState:
     """Working-area pages one request row holds."""
 
-    staged: dict[int, int] = field(default_factory=dict)  # block j -> logical page (staged)
     sink: list[int] = field(default_factory=list)  # device pages (sink blocks on the host)
     ring: list[int] = field(default_factory=list)  # device pages, block j -> ring[j % R]
     slots: list[int] = field(default_factory=list)  # working-set pages
@@ -225,12 +248,18 @@ class TieredPool:
             self.layer_num, num_kv_heads, key_dim, value_dim, max(layout.host_tokens, ps), ps,
             self.dtype,
         )
-        # Device page of a staged/ring host-homed logical page (-1: none): translates writes.
+        # Device page of a sink/ring host-homed logical page (-1: none): translates writes.
         self.dev_page_of_lp = torch.full((layout.logical_tokens // ps + 1,), -1,
                                          dtype=torch.int32, device=self.device)
         self.work = WorkArea(layout.gpu_pages, layout.work_tokens // ps)
+        # One layer of rows shaped like the pool's (K and V, or the one latent buffer); page 0
+        # takes the writes of tokens outside the batch's rows (none expected).
+        scratch_rows = max(layout.scratch_tokens, 2 * ps)
+        self.scratch = [torch.empty((scratch_rows, *buf.shape[1:]), dtype=buf.dtype,
+                                    device=buf.device)
+                        for buf in self.tier_buffers(0) if buf is not None]
+        self._extend: Optional[ExtendScratch] = None  # the extend batch running, if it uses it
         self.rows: dict[int, RowState] = {}
-        self._staged: dict[int, list[int]] = {}  # logical page -> [device page, refcount]
         self.tier: Optional[WorkingSetTier] = None  # per-row tables: see bind()
         # Prometheus gauges (--enable-metrics; memory_tier/metrics.py), set by the backend.
         self.metrics: Optional[Any] = None
@@ -271,7 +300,7 @@ class TieredPool:
     # ---------------------------------------------------------------- addressing
 
     def translate(self, loc: Tensor) -> Tensor:
-        """Device row of each logical slot (host-homed slots through their staging/ring page;
+        """Device row of each logical slot (host-homed slots through their sink/ring page;
         0, the padding row, if the page has none)."""
         g = self.layout.gpu_tokens
         ps = self.layout.page_size
@@ -288,9 +317,41 @@ class TieredPool:
     def set_kv_buffer(self, layer: Any, loc_info: Any, cache_k: Tensor, cache_v: Any,
                       *args: Any, **kwargs: Any) -> None:
         loc, _, _ = unwrap_write_loc(loc_info)
-        super().set_kv_buffer(layer, self.translate(loc), cache_k, cache_v, *args, **kwargs)
         layer_id = kwargs.get("layer_id_override") or layer.layer_id
+        if self._extend is not None:
+            rows = self.written_rows(loc, layer_id)
+            for dst, x in zip(self.scratch, (cache_k, cache_v)):
+                dst[rows] = x.reshape(-1, *dst.shape[1:]).to(dst.dtype)
+        super().set_kv_buffer(layer, self.translate(loc), cache_k, cache_v, *args, **kwargs)
         self._write_through(layer_id, loc, cache_k, cache_v)
+
+    def get_key_buffer(self, layer_id: int) -> Tensor:
+        if self._extend is None:
+            return super().get_key_buffer(layer_id)
+        self._fill_scratch(layer_id - self.start_layer)
+        return self.scratch[0]
+
+    def get_value_buffer(self, layer_id: int) -> Tensor:
+        if self._extend is None:
+            return super().get_value_buffer(layer_id)
+        self._fill_scratch(layer_id - self.start_layer)
+        return self.scratch[1] if len(self.scratch) > 1 else self.values_of(self.scratch[0])
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[Tensor, Tensor]:
+        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
+
+    def written_rows(self, loc: Tensor, layer_id: int) -> Tensor:
+        """Where the extend's dense attention reads the rows just written at logical slots
+        ``loc``: their scratch rows while a scratch extend runs (filled for layer ``layer_id``
+        first), else their device rows."""
+        ext = self._extend
+        if ext is None:
+            return self.translate(loc)
+        if loc.shape[0] != ext.out_rows.shape[0]:
+            raise RuntimeError(f"sglang_ext CPU tier: an extend wrote {loc.shape[0]} tokens, its "
+                               f"batch has {ext.out_rows.shape[0]} new ones")
+        self._fill_scratch(layer_id - self.start_layer)
+        return ext.out_rows
 
     def _write_through(self, layer_id: int, loc: Tensor, cache_k: Tensor,
                        cache_v: Optional[Tensor]) -> None:
@@ -322,63 +383,92 @@ class TieredPool:
 
     def prepare_extend(self, req_to_token: Tensor, rows: list[int], seq_lens: list[int],
                        prefix_lens: list[int]) -> None:
-        """Before a dense extend: stage every host-homed page the batch's requests touch (loading
-        pages that already hold data) and translate their ``req_to_token`` rows."""
+        """Before a dense extend: the ``dev_req_to_token`` rows its backend reads. A batch whose
+        pages are all GPU-homed reads the pool in place; one that touches a host-homed page
+        reads the extend scratch: each row's tokens at consecutive scratch rows, filled per
+        layer from the prefix pages' homes (:meth:`_fill_scratch`)."""
         ps = self.layout.page_size
         gp = self.layout.gpu_pages
+        self._extend = None
         # SGLang continues a chunked prefill in the very next prefill batch, so a request
-        # still prefilling but absent from this batch has finished its prompt: let it drop
-        # its staging now rather than at its first decode step (which may come later).
+        # still prefilling but absent from this batch has finished its prompt: it takes its
+        # working set now (its first decode step may come later).
         in_batch = set(rows)
         for row in [r for r, st in self.rows.items() if not st.decoding and r not in in_batch]:
             self.start_decoding(req_to_token, row)
-        for row, seq_len, prefix_len in zip(rows, seq_lens, prefix_lens):
-            state = self.rows.setdefault(row, RowState())
-            state.written = seq_len
+        pages: list[Tensor] = []  # per row: the logical pages of its blocks
+        for row, seq_len in zip(rows, seq_lens):
+            self.rows.setdefault(row, RowState()).written = seq_len
             nblocks = -(-seq_len // ps)
-            lps = (req_to_token[row, 0:nblocks * ps:ps] // ps).tolist()
-            loads: list[tuple[int, int]] = []
-            for j, lp in enumerate(lps):
-                if state.staged.get(j) == lp:
-                    continue  # staged by an earlier chunk
-                if j in state.staged:
-                    # The radix cache re-pointed this block at an equal page it already held
-                    # (cache_unfinished_req dedups chunks): stage that page instead.
-                    self._unstage_one(state.staged.pop(j))
-                if lp < gp:
-                    continue
-                # a page before the prefix's end already holds data (on the host)
-                self._stage_page(state, j, lp, loads if j * ps < prefix_len else None)
-            if loads:
-                self._load_pages(loads)
-            self._publish_staging(state)
-            r2t = req_to_token[row, :nblocks * ps]
-            self.dev_req_to_token[row, :nblocks * ps] = self.translate(r2t).to(torch.int32)
-
-    def _stage_page(self, state: RowState, j: int, lp: int,
-                    loads: Optional[list[tuple[int, int]]]) -> None:
-        """Stage host-homed logical page ``lp`` as block ``j`` of ``state``'s row: one working-area
-        page per logical page, shared (reference counted) by every row staging it. A page
-        newly taken is to be loaded from the host when ``loads`` is given (appended to it)."""
-        entry = self._staged.get(lp)
-        if entry is None:
-            entry = self._staged[lp] = [self.work.alloc(1)[0], 0]
-            if loads is not None:
-                loads.append((lp - self.layout.gpu_pages, entry[0]))
-        entry[1] += 1
-        state.staged[j] = lp
-
-    def _publish_staging(self, state: RowState) -> None:
-        if not state.staged:
+            pages.append(req_to_token[row, 0:nblocks * ps:ps].long() // ps)
+        if not any(bool((lps >= gp).any()) for lps in pages):
+            for row, seq_len in zip(rows, seq_lens):
+                self.dev_req_to_token[row, :seq_len] = req_to_token[row, :seq_len]
             return
-        lps = torch.tensor(list(state.staged.values()), device=self.device)
-        pages = torch.tensor([self._staged[lp][0] for lp in state.staged.values()],
-                             dtype=torch.int32, device=self.device)
-        self.dev_page_of_lp[lps] = pages
+        dev = self.device
+        base = 1  # scratch page 0 is the padding page
+        out_rows, copy_pages, load_pages = [], [], []
+        for row, seq_len, prefix_len, lps in zip(rows, seq_lens, prefix_lens, pages):
+            n = lps.shape[0]
+            first = base * ps
+            width = min(n * ps, self.dev_req_to_token.shape[1])
+            self.dev_req_to_token[row, :width] = torch.arange(
+                first, first + width, dtype=torch.int32, device=dev)
+            out_rows.append(torch.arange(first + prefix_len, first + seq_len, device=dev))
+            # prefix pages hold data at their homes (a page the prefix ends inside is loaded
+            # whole: its tail is the new tokens, written after the fill)
+            prefix = lps[:-(-prefix_len // ps)]
+            dst = torch.arange(base, base + prefix.shape[0], device=lps.device)
+            on_gpu = prefix < gp
+            copy_pages.append((prefix[on_gpu], dst[on_gpu]))
+            load_pages.append((prefix[~on_gpu] - gp, dst[~on_gpu]))
+            base += n
+        if base > self.scratch[0].shape[0] // ps:
+            raise RuntimeError(
+                f"sglang_ext CPU tier: an extend batch of {sum(seq_lens)} tokens does not fit "
+                f"in the extend scratch ({self.scratch[0].shape[0]} rows)")
+        offs = torch.arange(ps, device=dev)
+
+        def token_rows(page_list: list[Tensor]) -> Tensor:
+            p = torch.cat(page_list).to(dev)
+            return (p[:, None] * ps + offs).reshape(-1)
+
+        hn = self.tier_heads
+        src = torch.cat([s for s, _ in load_pages]).to(torch.int32)
+        self._extend = ExtendScratch(
+            out_rows=torch.cat(out_rows),
+            copy_src=token_rows([s for s, _ in copy_pages]),
+            copy_dst=token_rows([d for _, d in copy_pages]),
+            load_heads=torch.arange(hn, dtype=torch.int32).repeat(src.shape[0]).to(dev),
+            load_src=src.repeat_interleave(hn).to(dev),
+            load_dst=torch.cat([d for _, d in load_pages]).to(torch.int32)
+            .repeat_interleave(hn).to(dev),
+        )
+
+    def end_extend(self) -> None:
+        """A batch that is not an extend: the pool's buffers are read in place again."""
+        self._extend = None
+
+    def _fill_scratch(self, layer: int) -> None:
+        """The running extend's prefix pages of layer index ``layer`` into the scratch (once per
+        layer; every layer's attention runs in order, on one stream, so one scratch serves all
+        of them)."""
+        ext = self._extend
+        if ext is None or ext.filled == layer:
+            return
+        if ext.copy_src.numel():
+            for src, dst in zip(self.tier_buffers(layer), self.scratch):
+                dst[ext.copy_dst] = src[ext.copy_src]
+        if ext.load_src.numel():
+            self.host.load(layer, ext.load_heads, ext.load_src, ext.load_dst, self.scratch[0],
+                           self.scratch[1] if len(self.scratch) > 1 else None)
+        ext.filled = layer
 
     def _load_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Host pages -> device pages, every layer and kv head."""
         n = len(pairs)
+        if not n:
+            return
         hn = self.tier_heads
         heads = torch.arange(hn, dtype=torch.int32).repeat(n)
         src = torch.tensor([s for s, _ in pairs], dtype=torch.int32).repeat_interleave(hn)
@@ -386,32 +476,6 @@ class TieredPool:
         heads, src, dst = (t.to(self.device) for t in (heads, src, dst))
         for layer in range(self.layer_num):
             self.host.load(layer, heads, src, dst, *self.tier_buffers(layer))
-
-    def _copy_pages(self, src: list[int], dst: list[int]) -> None:
-        """Device page -> device page, every layer."""
-        if not src:
-            return
-        ps = self.layout.page_size
-        offs = torch.arange(ps, device=self.device)
-        s = (torch.tensor(src, device=self.device)[:, None] * ps + offs).reshape(-1)
-        d = (torch.tensor(dst, device=self.device)[:, None] * ps + offs).reshape(-1)
-        for layer in range(self.layer_num):
-            for buf in self.tier_buffers(layer):
-                if buf is not None:
-                    buf[d] = buf[s]
-
-    def _unstage_one(self, lp: int) -> None:
-        entry = self._staged[lp]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.work.free([entry[0]])
-            del self._staged[lp]
-            self.dev_page_of_lp[lp] = -1
-
-    def _unstage(self, state: RowState) -> None:
-        for lp in state.staged.values():
-            self._unstage_one(lp)
-        state.staged.clear()
 
     # ------------------------------------------------------------- admission
 
@@ -421,30 +485,33 @@ class TieredPool:
         lay = self.layout
         return lay.sink_pages + lay.ring_pages + lay.num_slots
 
-    def staging_room(self, chunked_remaining_tokens: int = 0) -> int:
-        """Working-area pages a new prefill may still claim: the free ones less what requests
-        already admitted will take: a working set for each row whose prefill has not turned
-        into decoding yet (:meth:`start_decoding` allocates it) and staging pages for the rest
-        of the prompt being chunk-prefilled (``chunked_remaining_tokens``)."""
-        ps = self.layout.page_size
-        pending = sum(1 for st in self.rows.values() if not st.decoding)
-        return (self.work.available - pending * self.pages_per_request
-                - (-(-chunked_remaining_tokens // ps) + 1 if chunked_remaining_tokens else 0))
+    def scratch_pages_for(self, tokens: int) -> int:
+        """Scratch pages a request of ``tokens`` (prefix and new) takes in an extend batch."""
+        return -(-tokens // self.layout.page_size) + 1
 
-    def staging_need(self, prefix_slots: Tensor, extend_tokens: int) -> int:
-        """Working-area pages a request about to be admitted will take: staging for its
-        host-homed prefix (a radix hit, loaded at once by :meth:`prepare_extend`) and for the
-        tokens it will prefill, then its working set."""
-        ps, gp = self.layout.page_size, self.layout.gpu_pages
-        prefix_pages = set((prefix_slots[::ps] // ps).tolist()) if len(prefix_slots) else set()
-        host_prefix = sum(1 for lp in prefix_pages if lp >= gp and lp not in self._staged)
-        return host_prefix + -(-extend_tokens // ps) + 1 + self.pages_per_request
+    def admission_room(self, chunked_tokens: int = 0) -> tuple[int, int]:
+        """What new requests of the next prefill batch may still claim: ``(scratch pages,
+        working-area pages)``. The scratch holds the whole batch, the chunk-prefilled request
+        (``chunked_tokens``, prefix and new) first; the working area, less a working set for
+        each row whose prefill has not turned into decoding yet (:meth:`start_decoding`
+        allocates it)."""
+        pending = sum(1 for st in self.rows.values() if not st.decoding)
+        scratch = self.scratch[0].shape[0] // self.layout.page_size - 1
+        if chunked_tokens:
+            scratch -= self.scratch_pages_for(chunked_tokens)
+        return scratch, self.work.available - pending * self.pages_per_request
+
+    def admission_need(self, tokens: int) -> tuple[int, int]:
+        """``(scratch pages, working-area pages)`` a request of ``tokens`` takes when admitted:
+        its rows in this batch's scratch (its chunks' batches take no more), then a working
+        set."""
+        return self.scratch_pages_for(tokens), self.pages_per_request
 
     # -------------------------------------------------------------- decode side
 
     def start_decoding(self, req_to_token: Tensor, row: int) -> None:
-        """A request's prefill is done: keep sink and recent-window pages, take working-set
-        slots, drop the staging pages (the prompt's KV is on its homes: GPU rows or host)."""
+        """A request's prefill is done (its prompt's KV is on its homes: GPU rows or host): it
+        takes sink and recent-window pages and working-set slots, loaded from the host."""
         ps = self.layout.page_size
         gp = self.layout.gpu_pages
         lay = self.layout
@@ -455,7 +522,7 @@ class TieredPool:
         state.sink = self.work.alloc(lay.sink_pages)
         state.ring = self.work.alloc(lay.ring_pages)
         state.slots = self.work.alloc(lay.num_slots)
-        blocks, pages, copy_src, copy_dst = [], [], [], []
+        blocks, pages, loads = [], [], []  # loads: (host page, device page)
         ring_block = [-1] * lay.ring_pages
         ring_lps = []
         middle: list[int] = []  # host-homed blocks between the sink and the ring
@@ -474,8 +541,7 @@ class TieredPool:
             else:
                 middle.append(j)  # fetched into a slot when selected
                 continue
-            copy_src.append(self._staged[lp][0])
-            copy_dst.append(dst)
+            loads.append((lp - gp, dst))
             blocks.append(j)
             pages.append(dst)
         # A prompt that ends on a page boundary has its first decode token open a new block,
@@ -485,13 +551,11 @@ class TieredPool:
         if prompt_len % ps == 0 and leaving >= n_sink and lps and lps[leaving] >= gp:
             middle.append(leaving)
         # The working set starts with the middle blocks nearest the window (and the one leaving
-        # the ring), copied from their staging pages (no host transfer): all of them when they
-        # fit, which makes the first step exact at a budget >= the context under either schedule.
+        # the ring): all of them when they fit, which makes the first step exact at a budget >=
+        # the context under either schedule.
         preload = middle[-lay.num_slots:] if lay.num_slots else []
-        copy_src += [self._staged[lps[j]][0] for j in preload]
-        copy_dst += state.slots[:len(preload)]
-        self._copy_pages(copy_src, copy_dst)
-        self._unstage(state)
+        loads += [(lps[j] - gp, slot) for j, slot in zip(preload, state.slots)]
+        self._load_pages(loads)
         dev = self.device
         self.tier.detach(row)
         if blocks:
@@ -532,27 +596,11 @@ class TieredPool:
         new = (new_slots.reshape(-1)[offs.to(new_slots.device)].long() // ps).tolist()
         changed = [(int(start + o) // ps, a, b) for o, a, b in zip(offs.tolist(), old, new)
                    if a != b]
+        # A row still prefilling holds no device copy: its next extend reads the held pages
+        # from their homes (prepare_extend reads req_to_token afresh).
         for j, old_lp, new_lp in changed:
             if state.decoding:
                 self._repoint_decoding_block(row, state, j, old_lp, new_lp)
-            else:
-                self._repoint_staged_block(state, j, old_lp, new_lp)
-        if changed and not state.decoding:
-            self._publish_staging(state)
-            self.dev_req_to_token[row, start:start + n] = self.translate(
-                new_slots.reshape(-1).to(self.device)).to(torch.int32)
-
-    def _repoint_staged_block(self, state: RowState, j: int, old_lp: int, new_lp: int) -> None:
-        """A block of a row still prefilling (or not yet decoding): stage the held page in place
-        of the freed one, loaded from its home (it holds data)."""
-        if state.staged.get(j) == old_lp:
-            self._unstage_one(state.staged.pop(j))
-        if new_lp < self.layout.gpu_pages:
-            return  # a GPU-homed page is read where it is
-        loads: list[tuple[int, int]] = []
-        self._stage_page(state, j, new_lp, loads)
-        if loads:
-            self._load_pages(loads)
 
     def _repoint_decoding_block(self, row: int, state: RowState, j: int, old_lp: int,
                                 new_lp: int) -> None:
@@ -603,7 +651,9 @@ class TieredPool:
                           seq_lens: Tensor, out_cache_loc: Tensor) -> None:
         """Before a decode step: map the block of each new token (GPU-homed: itself;
         host-homed: its ring page, unmapping the block that used the ring page before).
-        Eager GPU ops, no host sync."""
+        Eager GPU ops, no host sync. A decode step reads and writes the pool in place: the
+        extend before it, if any, is over."""
+        self._extend = None
         if req_pool_indices.numel() == 0:
             return
         ps = self.layout.page_size
@@ -648,7 +698,6 @@ class TieredPool:
         state = self.rows.pop(row, None)
         if state is None:
             return
-        self._unstage(state)
         held = state.sink + state.ring + state.slots
         if held:
             # Forget every logical page translated to a page of this row (window and sink
@@ -669,11 +718,11 @@ class TieredPool:
             self.metrics.update_occupancy(self.work.available, self.work.num_pages, len(self.rows))
 
     def check_idle(self) -> None:
-        """With no request left, every working-area page is free and nothing is staged."""
-        if self.work.available != self.work.num_pages or self._staged:
+        """With no request left, every working-area page is free."""
+        if self.work.available != self.work.num_pages:
             raise AssertionError(
                 f"sglang_ext tier leak: {self.work.num_pages - self.work.available} working-area "
-                f"pages and {len(self._staged)} staged pages held with no request"
+                f"pages held with no request"
             )
         if bool((self.dev_page_of_lp >= 0).any()) or bool((self.tier.tiered != 0).any()):
             raise AssertionError("sglang_ext tier leak: mappings left with no request")
@@ -716,6 +765,9 @@ class TieredKVPool(TieredPool, MHATokenToKVPool):
     buffers of ``head_num`` kv heads."""
 
     def tier_shape(self) -> tuple[int, int, int]:
+        if self.store_dtype != self.dtype:  # the host copy and the scratch hold KV-dtype rows
+            raise ValueError(f"sglang_ext: --sparse-tier does not support a KV cache stored as "
+                             f"{self.store_dtype} yet (--kv-cache-dtype)")
         return self.head_num, self.head_dim, self.v_head_dim
 
     def tier_buffers(self, layer: int) -> tuple[Tensor, Optional[Tensor]]:
@@ -743,6 +795,9 @@ class TieredMLAKVPool(TieredPool, MLATokenToKVPool):
                           cache_k_rope: Tensor) -> None:
         """How an MLA model writes a prefill's latent rows (then calls attention with
         ``save_kv_cache=False``): into the translated device rows, and through to the host."""
+        if self._extend is not None:
+            self._write_mla_kv_buffer(self.scratch[0], self.written_rows(loc, layer.layer_id),
+                                      cache_k_nope, cache_k_rope)
         super().set_mla_kv_buffer(layer, self.translate(loc), cache_k_nope, cache_k_rope)
         self._write_through(layer.layer_id, loc, torch.cat([cache_k_nope, cache_k_rope], -1),
                             None)
