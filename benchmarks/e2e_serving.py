@@ -194,7 +194,8 @@ def capacity_vs_limit(rows: list[dict[str, Any]], baseline: str = "flashinfer") 
     relative to full attention's (``capacity_ratio``, logical tokens), the physical limit of that
     ratio, (full attention's device KV bytes + the tier's pinned host bytes) / full attention's
     device KV bytes (``capacity_limit``), and the share of the limit reached
-    (``capacity_vs_limit``). Everything comes from the servers' logs."""
+    (``capacity_vs_limit``), and the same in requests running at once (``running_ratio``,
+    ``running_vs_limit``). Everything comes from the servers' logs."""
     base = next((r for r in rows if r["backend"] == baseline), None)
     if base is None or not base.get("max_total_num_tokens") or not base.get("device_kv_gb"):
         return
@@ -205,6 +206,10 @@ def capacity_vs_limit(rows: list[dict[str, Any]], baseline: str = "flashinfer") 
         limit = (base["device_kv_gb"] + r["host_store_gb"]) / base["device_kv_gb"]
         r.update(capacity_ratio=round(ratio, 3), capacity_limit=round(limit, 3),
                  capacity_vs_limit=round(ratio / limit, 3))
+        if r.get("server_max_running") and base.get("server_max_running"):
+            # the same in requests running at once (SGLang's #running-req)
+            running = r["server_max_running"] / base["server_max_running"]
+            r.update(running_ratio=round(running, 3), running_vs_limit=round(running / limit, 3))
 
 
 def tier_traffic(flags: list[str], tier_stats: dict[str, Any] | None) -> dict[str, Any]:
@@ -244,6 +249,10 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
               ("median_itl_ms", "median ITL = decode step (ms)")]
     if any(r.get("bytes_per_step") is not None for r in rows):  # tier runs
         panels.append(("bytes_per_step", "host->GPU bytes per decode step"))
+    limits = [r for r in rows if r.get("capacity_limit")]
+    if limits:  # capacity runs: what each server held, the physical limit dashed
+        panels = [("server_max_running", "requests running at once"),
+                  ("max_total_num_tokens", "KV tokens (logical)")] + panels
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
 
     def series(r: dict[str, Any]) -> str:  # one bar series per backend, model and TP size
@@ -262,6 +271,12 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
                       [f"{c // 1024}k" for c in contexts])
         ax.set_xlabel("input tokens")
         ax.set_ylabel(label)
+        for r in limits:
+            base = next((o for o in rows if o["backend"] == "flashinfer"
+                         and o["input_len"] == r["input_len"]), None)
+            if key in ("server_max_running", "max_total_num_tokens") and base and base.get(key):
+                ax.axhline(base[key] * r["capacity_limit"], ls="--", color="gray",
+                           label=f"limit: flashinfer x {r['capacity_limit']:.2f}")
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()

@@ -80,6 +80,7 @@ def test_capacity_against_the_physical_limit_comes_from_the_logs() -> None:
     # SGLang's line counts GiB (2 x 48.28), the tier's host store GB: the limit takes both in GB
     assert fi["device_kv_gb"] == round(96.56 * 2**30 / 1e9, 3) and fi["host_store_gb"] is None
     assert tier["host_store_gb"] == 48.0 and tier["max_total_num_tokens"] == 585952
+    fi["server_max_running"], tier["server_max_running"] = 5, 9  # from #running-req lines
     rows = [fi, tier]
     capacity_vs_limit(rows)
     assert "capacity_ratio" not in fi
@@ -87,6 +88,8 @@ def test_capacity_against_the_physical_limit_comes_from_the_logs() -> None:
     device_gb = 96.56 * 2**30 / 1e9
     assert tier["capacity_limit"] == round((device_gb + 48.0) / device_gb, 3)
     assert tier["capacity_vs_limit"] == round(tier["capacity_ratio"] / tier["capacity_limit"], 3)
+    assert tier["running_ratio"] == 1.8
+    assert tier["running_vs_limit"] == round(1.8 / ((device_gb + 48.0) / device_gb), 3)
 
 
 def test_locality_rows_carry_bytes_per_step_and_their_ratio() -> None:

@@ -83,13 +83,15 @@ for step in "$@"; do
       # Issue 4: how many concurrent 128k requests each server admits, full attention (flashinfer)
       # vs ours with the CPU tier, beside the physical limit (device KV + pinned host) / device KV
       # computed from the two servers' logs (capacity_vs_limit in the rows); tier timing on, so
-      # the row's tier stats carry the hidden-transfer fraction. Prompts: enough for twice
+      # the row's tier stats carry the hidden-transfer fraction (a stats line every 8 decode
+      # steps: the outputs are short). Prompts: enough for twice
       # what full attention holds; short outputs (admission, not decode speed, is measured).
       # Decisive dummy weights (patches/model_loader.py), as in the soak: SGLang's random ones
       # give almost no step-to-step locality. One server per call on a fresh machine (each takes
       # 5-6 min to start): CAP_CONFIGS=flashinfer, then CAP_CONFIGS=sglang_ext_tier_fi, then
       # e2e_serving.py --collect over both calls' files.
       SGLANG_EXT_DUMMY_WEIGHTS=scaled SGLANG_EXT_TIER_HOST_GB="${CAP_HOST_GB:-96}" \
+      SGLANG_EXT_TIER_LOG_EVERY=8 \
       python3 benchmarks/e2e_serving.py --out "$OUT" --configs ${CAP_CONFIGS:-flashinfer sglang_ext_tier_fi} \
         --input-len 131072 --output-len "${CAP_OUTPUT:-32}" --num-prompts "${CAP_PROMPTS:-10}" \
         --concurrency "${CAP_PROMPTS:-10}" --results-name capacity_h200 \
