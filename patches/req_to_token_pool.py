@@ -26,7 +26,7 @@ def _before_free(pool: Any, req: Any, *args: Any, **kwargs: Any) -> None:
 
     tiered = active_pool()
     if tiered is not None and req.req_pool_idx is not None:
-        # The CPU tier's staging, window and working-set pages of this request.
+        # The CPU tier's sink, window and working-set pages of this request (and its row state).
         tiered.release_row(req.req_pool_idx, pool.req_to_token)
 
 

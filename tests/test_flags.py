@@ -143,7 +143,7 @@ BAD_LAUNCHES = [
     (["--sparse-tier", "async", "--sparse-method", "ds"], "--sparse-tier"),
     (["--sparse-tier", "sync", "--sparse-tier-host-gb", "100000"], "--sparse-tier-host-gb"),
     (["--sparse-guard-every", "8", "--sparse-guard-recall", "1.2"], "--sparse-guard-recall"),
-    # prefill around our backend would leave the CPU tier's prompt pages unstaged
+    # prefill around our backend would read host-homed prompt pages from nowhere (no scratch)
     (["--decode-attention-backend", "sglang_ext", "--prefill-attention-backend", "torch_native",
       "--sparse-tier", "sync"], "--prefill-attention-backend"),
     (["--prefill-attention-backend", "sglang_ext", "--decode-attention-backend", "torch_native",
