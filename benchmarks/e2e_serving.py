@@ -84,6 +84,9 @@ CONFIGS["sglang_ext_tier_locality"] = CONFIGS["sglang_ext_tier"] + [
     str(locality_new_blocks_for_share(LOCALITY_NEW_SHARE, **_LOCALITY_SHAPE)),
     "--sparse-candidate-blocks",
     str(locality_limited_candidate_blocks(LOCALITY_FILTER_SCALE, **_LOCALITY_SHAPE))]
+# the same with FlashInfer's prefill: the tier configuration for 128k serving runs
+CONFIGS["sglang_ext_tier_locality_fi"] = CONFIGS["sglang_ext_tier_locality"] + [
+    "--sparse-dense-backend", "flashinfer"]
 
 
 def launch(model: str, tokenizer: str, args: list[str], port: int, context_len: int,

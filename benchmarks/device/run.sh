@@ -3,7 +3,7 @@
 # install this repo, then the named steps. Results land in $OUT (or benchmarks/results).
 # Usage: bash benchmarks/device/run.sh COMMIT STEP...
 #   steps: env fi-warmup fi-wait gputests clock operator mla-operator tier fluxion transfer server e2e soak capacity
-#   locality tp2-greedy mla-e2e (tp2-greedy: on nvidia-h200-x2)
+#   locality profile tp2-greedy mla-e2e (tp2-greedy: on nvidia-h200-x2)
 # Wheels in .whl/ (carried, git-ignored; e.g. prometheus_client for --enable-metrics, which the
 # bundle lacks) are installed first.
 set -uo pipefail
@@ -113,6 +113,20 @@ for step in "$@"; do
         --input-len ${LOCALITY_CONTEXTS:-65536 131072} --output-len 192 \
         --num-prompts "${LOCALITY_PROMPTS:-2}" --concurrency "${LOCALITY_PROMPTS:-2}" \
         --warmup-requests 0 --append --results-name locality_h200 \
+        --extra "--mem-fraction-static 0.8 --cuda-graph-max-bs 8 --max-running-requests 8" \
+        || status=1 ;;
+    profile)
+      # Issue 8: where a served decode step's time goes (benchmarks/profile_decode.py: SGLang's
+      # own profiler over PROFILE_STEPS decode steps once every request decodes; kernel time
+      # per stage, compute-stream idle time, side-stream gathers). Every page on the host tier
+      # for the tier configs (SGLANG_EXT_TIER_GPU_TOKENS=16); the *_fi configs prefill with
+      # FlashInfer (fi-warmup in an earlier call saves its JIT compile).
+      SGLANG_EXT_DUMMY_WEIGHTS=scaled SGLANG_EXT_TIER_HOST_GB=${PROFILE_HOST_GB:-64} \
+      SGLANG_EXT_TIER_GPU_TOKENS=${PROFILE_GPU_TOKENS:-16} \
+      python3 benchmarks/profile_decode.py --out "$OUT" \
+        --configs ${PROFILE_CONFIGS:-sglang_ext_fi sglang_ext_tier_locality_fi} \
+        --input-len ${PROFILE_INPUT:-65536} --num-prompts ${PROFILE_PROMPTS:-2} \
+        --steps ${PROFILE_STEPS:-8} \
         --extra "--mem-fraction-static 0.8 --cuda-graph-max-bs 8 --max-running-requests 8" \
         || status=1 ;;
     tp2-greedy)

@@ -1,0 +1,65 @@
+"""benchmarks/profile_decode.py's reading of a profiler trace (the GPU run itself is a device step:
+``bash benchmarks/device/run.sh COMMIT profile``)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from benchmarks.profile_decode import build_parser, category, read_trace, summarize_trace
+
+
+def _kernel(name: str, ts: float, dur: float, stream: int) -> dict:
+    return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def test_kernels_fall_into_their_stages() -> None:
+    assert category("_quest_block_scores_kernel") == "block_scores"
+    assert category("_topk_kernel") == "topk"
+    assert category("_sparse_attn_split_kernel") == "sparse_attention"
+    assert category("_gather_host_blocks_kernel") == "tier_gather"
+    assert category("_admit_kernel") == "locality"
+    assert category("_locality_gamma_kernel") == "locality"
+    assert category("void flashinfer::BatchDecodeWithPagedKVCacheKernel<...>") == "flashinfer"
+    assert category("nvjet_tst_128x64_64x4_1x2_h_bz_coopA_NTN") == "gemm"
+    assert category("triton_poi_fused_add_rms_norm_0") == "other"
+
+
+def test_a_two_step_window_splits_into_busy_idle_and_side_stream_time() -> None:
+    # compute stream 7: two steps of 4 ms kernels (one overlap) in a 10 ms window; the side
+    # stream 9 gathers for 3 ms in all
+    events = [
+        _kernel("nvjet_gemm", 0, 2000, 7), _kernel("_sparse_attn_split_kernel", 1500, 2500, 7),
+        _kernel("nvjet_gemm", 6000, 4000, 7), _kernel("_gather_host_blocks_kernel", 500, 3000, 9),
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 50000},  # not a kernel
+    ]
+    row = summarize_trace(events, steps=2)
+    assert row["step_ms"] == 5.0  # (10000 - 0) us over 2 steps
+    assert row["compute_busy_ms"] == 4.0  # union of [0, 4000) and [6000, 10000) / 2
+    assert row["idle_ms"] == 1.0
+    assert row["side_stream_ms"] == 1.5
+    assert row["categories"] == {"gemm": 3.0, "tier_gather": 1.5, "sparse_attention": 1.25}
+    assert row["steps_in_trace"] == 2
+    # under CUDA graphs each step is one cudaGraphLaunch: those count the steps
+    launches = [{"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": t, "dur": 5}
+                for t in (0, 2500, 6000, 8000)]
+    assert summarize_trace(events + launches, steps=2)["step_ms"] == 2.5
+    with pytest.raises(ValueError, match="no GPU kernels"):
+        summarize_trace(events[-1:], steps=2)
+
+
+def test_the_newest_trace_is_read(tmp_path) -> None:
+    (tmp_path / "sub").mkdir()
+    with gzip.open(tmp_path / "sub" / "1-TP-0.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": [_kernel("_topk_kernel", 0, 10, 1)]}, f)
+    assert read_trace(str(tmp_path))[0]["name"] == "_topk_kernel"
+    with pytest.raises(FileNotFoundError):
+        read_trace(str(tmp_path / "sub" / "none"))
+
+
+def test_run_sh_profile_step_parses() -> None:
+    args = build_parser().parse_args(["--configs", "sglang_ext_fi", "sglang_ext_tier_locality_fi",
+                                      "--input-len", "65536", "--num-prompts", "2"])
+    assert args.steps == 8 and args.output_len == 2048
