@@ -252,8 +252,8 @@ class TieredPool:
         self.dev_page_of_lp = torch.full((layout.logical_tokens // ps + 1,), -1,
                                          dtype=torch.int32, device=self.device)
         self.work = WorkArea(layout.gpu_pages, layout.work_tokens // ps)
-        # One layer of rows shaped like the pool's (K and V, or the one latent buffer); page 0
-        # takes the writes of tokens outside the batch's rows (none expected).
+        # One layer of rows shaped like the pool's (K and V, or the one latent buffer). Page 0 is
+        # never planned, like the pool's padding page: a table entry left at 0 reads it.
         scratch_rows = max(layout.scratch_tokens, 2 * ps)
         self.scratch = [torch.empty((scratch_rows, *buf.shape[1:]), dtype=buf.dtype,
                                     device=buf.device)
