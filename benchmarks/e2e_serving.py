@@ -567,6 +567,7 @@ def main() -> int:
                 "config": " ".join(flags + extra),
                 "concurrency": args.concurrency, "completed": result.get("completed"),
                 "output_tok_s": result.get("output_throughput"),
+                "input_tok_s": result.get("input_throughput"),
                 "median_tpot_ms": result.get("median_tpot_ms"),
                 "median_itl_ms": result.get("median_itl_ms"),
                 "median_ttft_ms": result.get("median_ttft_ms"),

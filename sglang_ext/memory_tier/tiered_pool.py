@@ -337,9 +337,6 @@ class TieredPool:
         self._fill_scratch(layer_id - self.start_layer)
         return self.scratch[1] if len(self.scratch) > 1 else self.values_of(self.scratch[0])
 
-    def get_kv_buffer(self, layer_id: int) -> tuple[Tensor, Tensor]:
-        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
-
     def written_rows(self, loc: Tensor, layer_id: int) -> Tensor:
         """Where the extend's dense attention reads the rows just written at logical slots
         ``loc``: their scratch rows while a scratch extend runs (filled for layer ``layer_id``
@@ -389,7 +386,7 @@ class TieredPool:
         layer from the prefix pages' homes (:meth:`_fill_scratch`)."""
         ps = self.layout.page_size
         gp = self.layout.gpu_pages
-        self._extend = None
+        self.end_extend()
         # SGLang continues a chunked prefill in the very next prefill batch, so a request
         # still prefilling but absent from this batch has finished its prompt: it takes its
         # working set now (its first decode step may come later).
@@ -653,7 +650,7 @@ class TieredPool:
         host-homed: its ring page, unmapping the block that used the ring page before).
         Eager GPU ops, no host sync. A decode step reads and writes the pool in place: the
         extend before it, if any, is over."""
-        self._extend = None
+        self.end_extend()
         if req_pool_indices.numel() == 0:
             return
         ps = self.layout.page_size
