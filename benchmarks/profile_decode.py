@@ -17,7 +17,7 @@ kernels of CUDA-graph replays included) and reads the trace back:
   locality constraint, FlashInfer, GEMMs, everything else).
 
 Writes ``OUT/decode_profile_h200.json`` (rows ``config``, ``input_len``, ``num_prompts``,
-``steps``, ``step_ms``, ...) and a stacked-bar plot. Example (on the device machine)::
+``steps_in_trace``, ``step_ms``, ...) and a stacked-bar plot. Example (on the device machine)::
 
     SGLANG_EXT_DUMMY_WEIGHTS=scaled SGLANG_EXT_TIER_GPU_TOKENS=16 python3 \\
         benchmarks/profile_decode.py --out $OUT --configs sglang_ext_fi sglang_ext_tier_locality_fi \\
