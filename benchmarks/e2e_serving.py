@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Optional
 
@@ -224,6 +225,33 @@ def tier_traffic(flags: list[str], tier_stats: dict[str, Any] | None) -> dict[st
     return {"budget": int(value("--sparse-budget", 2048)),
             "locality": "on" if int(value("--sparse-locality-blocks", 0)) > 0 else "off",
             "bytes_per_step": tier_stats["transferred_bytes"] / tier_stats["decode_steps"]}
+
+
+def count_or_auto(text: str) -> Optional[int]:
+    """argparse type of --num-prompts / --concurrency: a count, or ``auto`` (None): what each
+    server can hold at each length (:func:`auto_concurrency`)."""
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a count nor 'auto'") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return value
+
+
+def auto_concurrency(log_text: str, input_len: int, output_len: int, page: int = 16) -> int:
+    """The most requests of ``input_len`` + ``output_len`` tokens that a started server holds
+    at once (the issue's "largest concurrency that configuration can hold"): its KV tokens
+    (SGLang's ``max_total_num_tokens``; with our CPU tier, GPU- and host-homed together) over
+    one request's, rounded up to whole pages, capped by its ``max_running_requests``."""
+    tokens = re.findall(r"max_total_num_tokens=(\d+)", log_text)
+    running = re.findall(r"max_running_requests=(\d+)", log_text)
+    if not tokens or not running:
+        raise RuntimeError("the server log has no max_total_num_tokens / max_running_requests")
+    per_request = -(-(input_len + output_len) // page) * page
+    return max(1, min(int(running[-1]), int(tokens[-1]) // per_request))
 
 
 def locality_vs_two_level(rows: list[dict[str, Any]]) -> None:
@@ -430,6 +458,41 @@ def finish_rows(rows: list[dict[str, Any]], results_path: str, meta: dict[str, A
         plot(all_rows, plot_path, f"{meta['gpu']}, dummy weights, bench_serving random-ids")
 
 
+def bench_load(args: argparse.Namespace, log_text: str, input_len: int) -> tuple[int, int]:
+    """(prompts, concurrency) of one benchmark on a started server (``auto`` resolved from its
+    log)."""
+    concurrency = args.concurrency
+    if concurrency is None:
+        concurrency = auto_concurrency(log_text, input_len, args.output_len)
+    prompts = concurrency if args.num_prompts is None else args.num_prompts
+    return prompts, concurrency
+
+
+def start_decode_profile(args: argparse.Namespace, log_path: str, running: int,
+                         profiles: dict[int, dict[str, Any]], input_len: int
+                         ) -> tuple[threading.Thread, threading.Event]:
+    """Beside a benchmark: once ``running`` requests decode, ``--profile-steps`` decode steps
+    under SGLang's profiler, summarized into ``profiles[input_len]`` (or why not). Set the
+    returned event when the benchmark is over (a wait for a full batch then gives up)."""
+    from benchmarks.profile_decode import profile_running_server
+
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            profiles[input_len] = dict(profile_running_server(
+                args.port, log_path, running, args.profile_steps, timeout=1800, cancel=done),
+                running=running)
+        except (RuntimeError, TimeoutError, ValueError, FileNotFoundError,
+                requests.RequestException) as e:
+            profiles[input_len] = {"error": str(e)[:500]}
+        print(f"decode profile at {input_len}: {json.dumps(profiles[input_len])}", flush=True)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, done
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (a function of its own so that CPU tests parse run.sh's calls)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -439,9 +502,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, nargs="+", default=[32768],
                    help="prompt lengths; several reuse each server (one bench_serving run each)")
     p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--num-prompts", type=int, default=8,
-                   help="bench_serving prompts; 0 = no benchmark (only --greedy-check)")
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--num-prompts", type=count_or_auto, default=8,
+                   help="bench_serving prompts; 0 = no benchmark (only --greedy-check); auto = "
+                        "the concurrency")
+    p.add_argument("--concurrency", type=count_or_auto, default=8,
+                   help="bench_serving's --max-concurrency; auto = what each server holds at "
+                        "each length (its KV tokens over a request's, at most its "
+                        "--max-running-requests)")
+    p.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                   help="during each benchmark, once its requests all decode, record N decode "
+                        "steps with SGLang's profiler (benchmarks/profile_decode.py): the row's "
+                        "decode_profile says where the step time goes")
     p.add_argument("--warmup-requests", type=int, default=1,
                    help="bench_serving's warmup requests per run (each one a full-length prefill; "
                         "0 saves ~40 s per 128k run where TTFT is not what is measured)")
@@ -510,9 +581,11 @@ def main() -> int:
         flags = ours_flags(name, args.block_size, label_config)
         results: dict[int, dict[str, Any]] = {}
         spans: dict[int, tuple[int, int]] = {}  # each length's span of the server log
+        load: dict[int, tuple[int, int]] = {}  # each length's (prompts, concurrency)
+        profiles: dict[int, dict[str, Any]] = {}  # each length's decode profile
         if args.collect:
             [n] = lengths
-            if not args.num_prompts:
+            if args.num_prompts == 0:
                 results[n] = {"completed": 0}
             elif not os.path.exists(bench_paths[n]):
                 print(f"{name}: no {bench_paths[n]}, left out", flush=True)
@@ -520,6 +593,8 @@ def main() -> int:
             else:
                 with open(bench_paths[n]) as f:
                     results[n] = json.loads(f.readlines()[-1])
+            with open(log_path, errors="replace") as f:
+                load[n] = bench_load(args, f.read(), n)
         else:
             proc = launch(args.model, args.tokenizer, flags, args.port, context_len,
                           log_path, extra)
@@ -535,10 +610,17 @@ def main() -> int:
                     # a span starts where the last ended (the first at the log's start, so
                     # start-up errors count) and the last one ends where the log does
                     start = 0 if i == 0 else os.path.getsize(log_path)
+                    with open(log_path, errors="replace") as f:
+                        load[n] = prompts, concurrency = bench_load(args, f.read(), n)
+                    profiler = start_decode_profile(args, log_path, concurrency, profiles, n) \
+                        if prompts and args.profile_steps else None
                     results[n] = bench(args.port, args.tokenizer, n, args.output_len,
-                                       args.num_prompts, args.concurrency, bench_paths[n],
+                                       prompts, concurrency, bench_paths[n],
                                        args.warmup_requests) \
-                        if args.num_prompts else {"completed": 0}
+                        if prompts else {"completed": 0}
+                    if profiler is not None:
+                        profiler[1].set()
+                        profiler[0].join(timeout=120)
                     spans[n] = (start, os.path.getsize(log_path))
             finally:
                 stop(proc)
@@ -565,7 +647,8 @@ def main() -> int:
                 "input_len": n, "output_len": args.output_len, "backend": name,
                 "tp": args.tp, "model": os.path.basename(args.model), "commit": git_commit(),
                 "config": " ".join(flags + extra),
-                "concurrency": args.concurrency, "completed": result.get("completed"),
+                "num_prompts": load[n][0], "concurrency": load[n][1],
+                "completed": result.get("completed"),
                 "output_tok_s": result.get("output_throughput"),
                 "input_tok_s": result.get("input_throughput"),
                 "median_tpot_ms": result.get("median_tpot_ms"),
@@ -574,25 +657,30 @@ def main() -> int:
                 "max_concurrent_requests": result.get("max_concurrent_requests"),
                 **stats, **(greedy if i == 0 else {}), "context": n,
                 **tier_traffic(flags, stats.get("tier_stats")),
+                **({"decode_profile": profiles[n]} if n in profiles else {}),
             })
             print(json.dumps(rows[-1]), flush=True)
         # what has been measured so far survives a run cut by the time box
         finish_rows(rows, results_path, meta, args.append)
     finish_rows(rows, results_path, meta, args.append, plot_path=os.path.join(
         args.out, f"{args.results_name}.png"))
-    print(f"{'backend':12} {'in':>7} {'out':>5} {'tok/s':>8} {'TPOT ms':>8} {'TTFT ms':>9} {'x FI':>6}")
+    print(f"{'backend':28} {'in':>7} {'out':>5} {'conc':>4} {'tok/s':>8} {'TPOT ms':>8} "
+          f"{'TTFT ms':>9} {'x FI':>6} {'decode':>8} {'x FI':>6}")
     for r in rows:
-        sp = r["speedup_vs_flashinfer"]
-        if r["output_tok_s"] is not None:
-            print(f"{r['backend']:12} {r['input_len']:7d} {r['output_len']:5d} {r['output_tok_s']:8.1f} "
-                  f"{r['median_tpot_ms']:8.1f} {r['median_ttft_ms']:9.0f} {sp if sp is None else round(sp, 2)!s:>6}")
+        if r["output_tok_s"] is None:
+            continue
+        sp, dsp = r["speedup_vs_flashinfer"], r["decode_speedup_vs_flashinfer"]
+        print(f"{r['backend']:28} {r['input_len']:7d} {r['output_len']:5d} {r['concurrency']:4d} "
+              f"{r['output_tok_s']:8.1f} {r['median_tpot_ms'] or 0:8.1f} "
+              f"{r['median_ttft_ms'] or 0:9.0f} {sp if sp is None else round(sp, 2)!s:>6} "
+              f"{r.get('decode_tok_s') or 0:8.1f} {dsp if dsp is None else round(dsp, 2)!s:>6}")
     for r in rows:
         if "greedy_equal" in r:
             print(f"{r['backend']}: greedy vs {r['greedy_reference']}: {r['greedy_equal']} equal, "
                   f"{r['greedy_near_tie']} differ at a near tie, mismatches {r['greedy_mismatches']}"
                   f" ({r['greedy_decisive_tokens']} decisive tokens)")
-    ok = all(r["completed"] == args.num_prompts and r["server_errors"] == 0
-             and r["server_prefill_tokens"] >= 0.9 * args.num_prompts * r["input_len"]
+    ok = all(r["completed"] == r["num_prompts"] and r["server_errors"] == 0
+             and r["server_prefill_tokens"] >= 0.9 * r["num_prompts"] * r["input_len"]
              and not r.get("greedy_mismatches")
              # a comparison where every token was a near tie tested nothing
              and r.get("greedy_decisive_tokens", 1) > 0 for r in rows)

@@ -34,6 +34,7 @@ import os
 import random
 import re
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, Iterable, Optional
@@ -144,23 +145,44 @@ def _generate(port: int, input_ids: list[int], max_new_tokens: int, errors: list
         errors.append(str(e))
 
 
-def wait_all_decoding(log_path: str, num_prompts: int, timeout: float) -> None:
-    """Until the server's decode log shows every request running and none queued."""
+def wait_all_decoding(log_path: str, num_prompts: int, timeout: float,
+                      cancel: Optional[threading.Event] = None) -> None:
+    """Until the server's decode log shows every request running and none queued (or
+    ``cancel`` is set: the requests are gone)."""
     pattern = re.compile(r"Decode batch, #running-req: (\d+).*?#queue-req: (\d+)")
     deadline = time.time() + timeout
-    while time.time() < deadline:
+    while time.time() < deadline and not (cancel is not None and cancel.is_set()):
         with open(log_path, errors="replace") as f:
             hits = pattern.findall(f.read())
         if hits and int(hits[-1][0]) >= num_prompts and int(hits[-1][1]) == 0:
             return
-        time.sleep(2)
-    raise TimeoutError(f"not all {num_prompts} requests were decoding after {timeout:.0f}s")
+        time.sleep(1)
+    raise TimeoutError(f"{num_prompts} requests were never all decoding at once")
+
+
+def profile_running_server(port: int, log_path: str, num_running: int, steps: int,
+                           timeout: float, cancel: Optional[threading.Event] = None
+                           ) -> dict[str, Any]:
+    """Once the server's decode log shows ``num_running`` requests decoding and none queued,
+    record ``steps`` decode steps with SGLang's profiler and summarize them. The trace goes to a
+    temporary folder (it is not a result: a device call brings back only a few files).
+    ``cancel``: give up waiting (the requests are done)."""
+    wait_all_decoding(log_path, num_running, timeout, cancel)
+    with tempfile.TemporaryDirectory(prefix="sglang_ext_trace_") as trace_dir:
+        requests.post(f"http://127.0.0.1:{port}/start_profile", timeout=600, json={
+            "output_dir": trace_dir, "num_steps": steps, "activities": ["GPU"],
+            "with_stack": False, "record_shapes": False}).raise_for_status()
+        # num_steps stops the profiler by itself; its trace is written once that step is done
+        deadline = time.time() + timeout
+        while time.time() < deadline and not glob.glob(os.path.join(trace_dir, "**", "*.json*"),
+                                                        recursive=True):
+            time.sleep(2)
+        time.sleep(5)  # the file is written in one go; let it finish
+        return summarize_trace(read_trace(trace_dir), steps)
 
 
 def profile_config(args: argparse.Namespace, name: str, label_config: Optional[str]) -> dict[str, Any]:
     log_path = os.path.join(args.out, f"server_profile_{name}.log")
-    trace_dir = os.path.join(args.out, f"trace_{name}")
-    os.makedirs(trace_dir, exist_ok=True)
     flags = ours_flags(name, 0, label_config)
     context_len = args.input_len + args.output_len + 256
     proc = launch(args.model, args.tokenizer, flags, args.port, context_len, log_path,
@@ -174,17 +196,8 @@ def profile_config(args: argparse.Namespace, name: str, label_config: Optional[s
             args.output_len, errors)) for _ in range(args.num_prompts)]
         for t in threads:
             t.start()
-        wait_all_decoding(log_path, args.num_prompts, args.decode_timeout)
-        requests.post(f"http://127.0.0.1:{args.port}/start_profile", timeout=600, json={
-            "output_dir": trace_dir, "num_steps": args.steps, "activities": ["GPU"],
-            "with_stack": False, "record_shapes": False}).raise_for_status()
-        # num_steps stops the profiler by itself; its trace is written once that step is done
-        deadline = time.time() + args.decode_timeout
-        while time.time() < deadline and not glob.glob(os.path.join(trace_dir, "**", "*.json*"),
-                                                        recursive=True):
-            time.sleep(2)
-        time.sleep(5)  # the file is written in one go; let it finish
-        row = summarize_trace(read_trace(trace_dir), args.steps)
+        row = profile_running_server(args.port, log_path, args.num_prompts, args.steps,
+                                     args.decode_timeout)
     finally:
         stop(proc)
     row.update(config=name, flags=" ".join(flags + args.extra.split()), input_len=args.input_len,

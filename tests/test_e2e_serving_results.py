@@ -228,6 +228,87 @@ def test_several_input_lengths_reuse_one_server_per_config(tmp_path, monkeypatch
     assert [r.get("bytes_vs_two_level") for r in rows] == [None, None, 0.25, 0.25]
 
 
+_START_LINE = ("[t] max_total_num_tokens=698122, chunked_prefill_size=32768, "
+               "max_prefill_tokens=16384, max_running_requests={cap}, context_len=163936\n")
+
+
+def test_auto_concurrency_is_what_the_started_server_holds() -> None:
+    import argparse
+
+    import pytest
+
+    from benchmarks.e2e_serving import auto_concurrency, count_or_auto
+
+    # FlashInfer's pool in the capacity run: five 128k requests, 20 of 32k + 1k outputs
+    assert auto_concurrency(_START_LINE.format(cap=16), 131072, 32) == 5
+    assert auto_concurrency(_START_LINE.format(cap=48), 32768, 1024) == 20
+    assert auto_concurrency(_START_LINE.format(cap=16), 32768, 1024) == 16  # the cap
+    # a request's tokens round up to whole pages: 698122 // 34832 (not // 34817) = 20
+    assert auto_concurrency(_START_LINE.format(cap=48), 34817, 0) == 20
+    assert auto_concurrency(_START_LINE.format(cap=48), 10**6, 0) == 1
+    with pytest.raises(RuntimeError, match="max_total_num_tokens"):
+        auto_concurrency("[t] not started\n", 1000, 10)
+    assert count_or_auto("auto") is None and count_or_auto("12") == 12
+    for bad in ("many", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            count_or_auto(bad)
+
+
+def test_auto_concurrency_drives_bench_serving_and_the_profile_lands_in_the_row(
+        tmp_path, monkeypatch) -> None:
+    """--concurrency auto: each server's bench gets as many prompts as it holds (from its own
+    start-up line), and --profile-steps puts the profile taken beside the bench in the row."""
+    import sys
+
+    import benchmarks.e2e_serving as E
+    import benchmarks.profile_decode as P
+
+    caps = {"flashinfer": 16, "sglang_ext_tier": 48}
+    benched, profiled = [], []
+
+    class Proc:
+        def poll(self):
+            return None
+
+    def launch(model, tokenizer, flags, port, context_len, log_path, extra):
+        name = os.path.basename(log_path)[len("server_"):-len(".log")]
+        tokens = 698122 if name == "flashinfer" else 1244976
+        with open(log_path, "w") as f:
+            f.write(_START_LINE.format(cap=caps[name]).replace("698122", str(tokens)))
+        return Proc()
+
+    def bench(port, tokenizer, n, output_len, prompts, concurrency, out_file, warmup):
+        benched.append((n, prompts, concurrency))
+        name = os.path.basename(out_file)[len("bench_"):-len(".jsonl")]
+        with open(tmp_path / f"server_{name}.log", "a") as f:  # the prefill the driver checks
+            f.write(f"[t] Prefill batch, #new-seq: 1, #new-token: {n * prompts}\n")
+        return {"completed": prompts, "output_throughput": 10.0, "median_tpot_ms": 5.0,
+                "median_itl_ms": 5.0, "median_ttft_ms": 100.0}
+
+    def profile(port, log_path, running, steps, timeout, cancel=None):
+        profiled.append((os.path.basename(log_path), running, steps))
+        return {"step_ms": 12.5, "idle_ms": 1.0}
+
+    monkeypatch.setattr(E, "launch", launch)
+    monkeypatch.setattr(E, "bench", bench)
+    monkeypatch.setattr(E, "wait_healthy", lambda *a: None)
+    monkeypatch.setattr(E, "stop", lambda proc: None)
+    monkeypatch.setattr(E, "plot", lambda rows, path, title: open(path, "w").close())
+    monkeypatch.setattr(P, "profile_running_server", profile)
+    monkeypatch.setattr(sys, "argv", [
+        "e2e_serving.py", "--out", str(tmp_path), "--configs", "flashinfer", "sglang_ext_tier",
+        "--input-len", "32768", "--output-len", "1024", "--num-prompts", "auto",
+        "--concurrency", "auto", "--profile-steps", "4", "--label-channels", "0",
+        "--model", str(tmp_path), "--results-name", "auto_test"])
+    assert E.main() == 0
+    # 698122 // 33792 = 20 capped at 16; 1244976 // 33792 = 36
+    assert benched == [(32768, 16, 16), (32768, 36, 36)]
+    assert profiled == [("server_flashinfer.log", 16, 4), ("server_sglang_ext_tier.log", 36, 4)]
+    rows = json.loads((tmp_path / "auto_test.json").read_text())["rows"]
+    assert [(r["num_prompts"], r["concurrency"]) for r in rows] == [(16, 16), (36, 36)]
+    assert rows[1]["decode_profile"] == {"step_ms": 12.5, "idle_ms": 1.0, "running": 36}
+
+
 def _run_sh_call(step: str) -> list[str]:
     """The e2e_serving.py arguments of a run.sh step, as bash expands them (defaults of the
     step's environment variables, OUT=out)."""

@@ -2,8 +2,8 @@
 # One self-contained run on the GPU host (see ../shared/gpu/README.md): unpack the SGLang bundle,
 # install this repo, then the named steps. Results land in $OUT (or benchmarks/results).
 # Usage: bash benchmarks/device/run.sh COMMIT STEP...
-#   steps: env fi-warmup fi-wait gputests clock operator mla-operator tier fluxion transfer server e2e soak capacity
-#   locality profile tp2-greedy mla-e2e (tp2-greedy: on nvidia-h200-x2)
+#   steps: env fi-warmup fi-wait fi-pack gputests clock operator mla-operator tier fluxion transfer server
+#   e2e soak capacity locality profile tp2-greedy mla-e2e pack-logs (tp2-greedy: on nvidia-h200-x2)
 # Wheels in .whl/ (carried, git-ignored; e.g. prometheus_client for --enable-metrics, which the
 # bundle lacks) are installed first.
 set -uo pipefail
@@ -15,6 +15,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
 fi
 python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . 2>&1 | tail -3
+# FlashInfer's kernels compiled by an earlier call's fi-pack (carried as .fiaot/, git-ignored):
+# FlashInfer loads a kernel found in its AOT folder instead of JIT-compiling it (~4 min fresh)
+if [ -f .fiaot/fi_aot.tar.xz ]; then
+  mkdir -p /tmp/site/flashinfer/data/aot && tar -xJf .fiaot/fi_aot.tar.xz -C /tmp/site/flashinfer/data/aot \
+    && echo "flashinfer: $(ls /tmp/site/flashinfer/data/aot | wc -l) prebuilt kernels from .fiaot"
+fi
 status=0
 warmups=()
 for step in "$@"; do
@@ -25,7 +31,8 @@ for step in "$@"; do
       python3 -c "import torch, triton, sglang, flashinfer; print(torch.__version__, triton.__version__, flashinfer.__version__)"
       python3 -c "from importlib.metadata import entry_points as e; print(e(group='sglang.srt.plugins'))" ;;
     gputests)
-      python3 -m pytest -q -rfE -m gpu tests/ -p no:cacheprovider ${GPUTESTS_ARGS:-} 2>&1 \
+      timeout "${GPUTESTS_SECONDS:-600}" python3 -m pytest -q -rfE -m gpu tests/ -p no:cacheprovider \
+        ${GPUTESTS_ARGS:-} 2>&1 \
         | tee "$OUT/gputests.log" | tail -25
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     operator)
@@ -48,9 +55,9 @@ for step in "$@"; do
     e2e)
       python3 benchmarks/e2e_serving.py --out "$OUT" --configs ${E2E_CONFIGS:-flashinfer sglang_ext} \
         --input-len ${E2E_INPUT:-32768} --output-len "${E2E_OUTPUT:-512}" \
-        --num-prompts "${E2E_PROMPTS:-16}" --concurrency "${E2E_PROMPTS:-16}" \
-        --warmup-requests "${E2E_WARMUP:-1}" \
-        --extra "--mem-fraction-static 0.75" || status=1 ;;
+        --num-prompts "${E2E_PROMPTS:-16}" --concurrency "${E2E_CONCURRENCY:-${E2E_PROMPTS:-16}}" \
+        --warmup-requests "${E2E_WARMUP:-1}" --profile-steps "${E2E_PROFILE_STEPS:-0}" \
+        ${E2E_APPEND:+--append} --extra "${E2E_EXTRA:---mem-fraction-static 0.75}" || status=1 ;;
     soak)
       # >= 200 requests of 1k-128k tokens, ~10 % aborted, CPU tier on, metrics on; decisive dummy
       # weights so that the reference subset's greedy comparison means something. A 128k prompt
@@ -186,6 +193,16 @@ for step in "$@"; do
         warmups+=($!)
         port=$((port + 1))
       done ;;
+    fi-pack)
+      # the kernels FlashInfer compiled in this call (after fi-warmup / fi-wait), for a later
+      # call on a fresh machine: copy $OUT/fi_aot.tar.xz to .fiaot/ here and carry .fiaot
+      (cd ~/.cache/flashinfer/*/*/cached_ops && tar -cJf "$OUT/fi_aot.tar.xz" */*.so) \
+        && ls -l "$OUT/fi_aot.tar.xz" || status=1 ;;
+    pack-logs)
+      # a call brings back at most 8 files: the servers' logs, bench_serving's outputs and the
+      # label configs go into one archive (e2e_serving.py --collect reads them unpacked)
+      (cd "$OUT" && files=$(ls *.log *.jsonl labels_*.json 2>/dev/null) \
+        && [ -n "$files" ] && tar -cJf logs.tar.xz $files && rm -f $files) ;;
     fi-wait)
       # the warm-up servers hold GPU memory: a heavy step after fi-warmup waits for them
       [ ${#warmups[@]} -gt 0 ] && wait "${warmups[@]}"; warmups=() ;;
