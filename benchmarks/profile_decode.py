@@ -145,17 +145,36 @@ def _generate(port: int, input_ids: list[int], max_new_tokens: int, errors: list
         errors.append(str(e))
 
 
+_BATCH_LINE = re.compile(r"(Prefill|Decode) batch, .*?#running-req: (\d+)(?:.*?#queue-req: (\d+))?")
+
+
+def full_batch_reached(log_text: str, num_prompts: int, stable: int = 3) -> bool:
+    """Whether the server now decodes its full batch: every request running and none queued,
+    or (a pool that holds fewer than asked) its last ``stable`` batch lines are decode lines
+    with one running count, the largest so far and at least half of ``num_prompts`` (so not
+    a warm-up request decoding alone)."""
+    lines = _BATCH_LINE.findall(log_text)
+    decodes = [(int(r), int(q or 0)) for kind, r, q in lines if kind == "Decode"]
+    if not decodes:
+        return False
+    running, queued = decodes[-1]
+    if running >= num_prompts and queued == 0:
+        return True
+    last = lines[-stable:]
+    return (len(last) == stable and all(kind == "Decode" and int(r) == running
+                                        for kind, r, _ in last)
+            and running == max(r for r, _ in decodes) and running >= max(2, num_prompts / 2))
+
+
 def wait_all_decoding(log_path: str, num_prompts: int, timeout: float,
                       cancel: Optional[threading.Event] = None) -> None:
-    """Until the server's decode log shows every request running and none queued (or
-    ``cancel`` is set: the requests are gone)."""
-    pattern = re.compile(r"Decode batch, #running-req: (\d+).*?#queue-req: (\d+)")
+    """Until the server's log shows its full batch decoding (:func:`full_batch_reached`), or
+    ``cancel`` is set (the requests are gone)."""
     deadline = time.time() + timeout
     while time.time() < deadline and not (cancel is not None and cancel.is_set()):
         with open(log_path, errors="replace") as f:
-            hits = pattern.findall(f.read())
-        if hits and int(hits[-1][0]) >= num_prompts and int(hits[-1][1]) == 0:
-            return
+            if full_batch_reached(f.read(), num_prompts):
+                return
         time.sleep(1)
     raise TimeoutError(f"{num_prompts} requests were never all decoding at once")
 

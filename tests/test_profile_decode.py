@@ -63,3 +63,28 @@ def test_run_sh_profile_step_parses() -> None:
     args = build_parser().parse_args(["--configs", "sglang_ext_fi", "sglang_ext_tier_locality_fi",
                                       "--input-len", "65536", "--num-prompts", "2"])
     assert args.steps == 8 and args.output_len == 2048
+
+
+def _decode(running: int, queued: int) -> str:
+    return (f"[t] Decode batch, #running-req: {running}, #token: 9, token usage: 0.9, "
+            f"cuda graph: True, gen throughput (token/s): 1.0, #queue-req: {queued}\n")
+
+
+def _prefill(running: int) -> str:
+    return (f"[t] Prefill batch, #new-seq: 1, #new-token: 8192, #cached-token: 0, token usage: "
+            f"0.5, #running-req: {running}, #queue-req: 0, #pending-token: 0\n")
+
+
+def test_the_profile_starts_at_the_full_batch_or_at_the_pools_steady_one() -> None:
+    from benchmarks.profile_decode import full_batch_reached
+
+    warmup = _decode(1, 0) * 5  # bench_serving's warm-up request decoding alone
+    assert not full_batch_reached(warmup, 18)
+    assert full_batch_reached(warmup + _prefill(0) + _decode(18, 0), 18)
+    # the pool held 17 of 18 (one queued): steady once three decode lines in a row show 17
+    filling = warmup + _prefill(15) + _decode(16, 2) + _prefill(16) + _decode(17, 1) * 2
+    assert not full_batch_reached(filling, 18)
+    assert full_batch_reached(filling + _decode(17, 1), 18)
+    # the tail of the run: fewer than the most seen
+    assert not full_batch_reached(filling + _decode(17, 1) + _decode(9, 0) * 3, 18)
+    assert not full_batch_reached("", 4)
