@@ -144,6 +144,8 @@ def server_log_stats(log_text: str) -> dict[str, int]:
     tier = re.findall(r"sglang_ext tier stats: (\{.*\})", log_text)
     guard = re.findall(r"sglang_ext guard: (\d+) probes, (\d+) raised, (\d+) lowered", log_text)
     running = [int(n) for n in re.findall(r"#running-req: (\d+)", log_text)]
+    # SGLang retracts running requests when its KV pool runs out mid-decode (a warning line)
+    retracted = re.findall(r"Retract requests\. #retracted_reqs: (\d+)", log_text)
     decode = [float(t) for t in re.findall(
         r"Decode batch, .*gen throughput \(token/s\): ([\d.]+)", log_text)]
     return {
@@ -155,6 +157,7 @@ def server_log_stats(log_text: str) -> dict[str, int]:
         "tier_stats": json.loads(tier[-1]) if tier else None,
         "guard_probes_raised_lowered": [int(x) for x in guard[-1]] if guard else None,
         "server_errors": len(errors),
+        "server_retracted_requests": sum(int(n) for n in retracted),
         # requests decoding at once (the server's count; bench_serving's is the client's)
         "server_max_running": max(running) if running else None,
         # decode throughput without the prefill time that bench_serving's output throughput
@@ -245,12 +248,15 @@ def auto_concurrency(log_text: str, input_len: int, output_len: int, page: int =
     """The most requests of ``input_len`` + ``output_len`` tokens that a started server holds
     at once (the issue's "largest concurrency that configuration can hold"): its KV tokens
     (SGLang's ``max_total_num_tokens``; with our CPU tier, GPU- and host-homed together) over
-    one request's, rounded up to whole pages, capped by its ``max_running_requests``."""
+    one request's, rounded up to whole pages, capped by its ``max_running_requests``. SGLang's
+    admission keeps decode headroom beyond the outputs themselves: on the H200 a pool of
+    698,122 tokens admitted 19 of 20 requests of 32k + 1k (and 5 of 128k + 1k), so a request
+    counts two more output lengths. (The profile's trigger also takes a steady smaller batch.)"""
     tokens = re.findall(r"max_total_num_tokens=(\d+)", log_text)
     running = re.findall(r"max_running_requests=(\d+)", log_text)
     if not tokens or not running:
         raise RuntimeError("the server log has no max_total_num_tokens / max_running_requests")
-    per_request = -(-(input_len + output_len) // page) * page
+    per_request = -(-(input_len + 3 * output_len) // page) * page
     return max(1, min(int(running[-1]), int(tokens[-1]) // per_request))
 
 
@@ -278,6 +284,8 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
 
     panels = [("output_tok_s", "output tokens/s (whole run)"),
               ("median_itl_ms", "median ITL = decode step (ms)")]
+    if any(r.get("decode_tok_s") for r in rows):  # the decode bar: the server's own log
+        panels.insert(0, ("decode_tok_s", "decode tokens/s (server log, best 40 steps)"))
     if any(r.get("bytes_per_step") is not None for r in rows):  # tier runs
         panels.append(("bytes_per_step", "host->GPU bytes per decode step"))
     limits = [r for r in rows if r.get("capacity_limit")]
@@ -302,12 +310,16 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
                       [f"{c // 1024}k" for c in contexts])
         ax.set_xlabel("input tokens")
         ax.set_ylabel(label)
-        for r in limits:
+        for r in limits:  # over its own input length's bars only
             base = next((o for o in rows if o["backend"] == "flashinfer"
-                         and o["input_len"] == r["input_len"]), None)
+                         and o["input_len"] == r["input_len"] and o.get("model") == r.get("model")
+                         and o.get("tp", 1) == r.get("tp", 1)), None)
             if key in ("server_max_running", "max_total_num_tokens") and base and base.get(key):
-                ax.axhline(base[key] * r["capacity_limit"], ls="--", color="gray",
-                           label=f"limit: flashinfer x {r['capacity_limit']:.2f}")
+                j = contexts.index(r["input_len"])
+                ax.hlines(base[key] * r["capacity_limit"], j - width / 2, j + 0.8 - width / 2,
+                          ls="--", color="gray",
+                          label=f"limit at {r['input_len'] // 1024}k: flashinfer x "
+                                f"{r['capacity_limit']:.2f}")
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -456,6 +468,21 @@ def finish_rows(rows: list[dict[str, Any]], results_path: str, meta: dict[str, A
     write_results(results_path, all_rows, meta)
     if plot_path:
         plot(all_rows, plot_path, f"{meta['gpu']}, dummy weights, bench_serving random-ids")
+        profiled = [r for r in all_rows if r.get("decode_profile", {}).get("categories")]
+        if profiled:
+            plot_profiles(profiled, plot_path[:-4] + "_profile.png",
+                          f"{meta['gpu']}: one decode step at each row's full batch, profiled "
+                          f"in the server during its benchmark")
+
+
+def plot_profiles(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    """The rows' decode profiles (``--profile-steps``) as profile_decode.py plots its own: kernel
+    time per stage, stacked, beside the step's wall time."""
+    from benchmarks.profile_decode import plot as plot_stages
+
+    plot_stages([dict(r["decode_profile"], config=r["backend"], input_len=r["input_len"],
+                      num_prompts=r["decode_profile"].get("running", r["concurrency"]))
+                 for r in rows], path, title)
 
 
 def bench_load(args: argparse.Namespace, log_text: str, input_len: int) -> tuple[int, int]:
@@ -480,9 +507,8 @@ def start_decode_profile(args: argparse.Namespace, log_path: str, running: int,
 
     def run() -> None:
         try:
-            profiles[input_len] = dict(profile_running_server(
-                args.port, log_path, running, args.profile_steps, timeout=1800, cancel=done),
-                running=running)
+            profiles[input_len] = profile_running_server(
+                args.port, log_path, running, args.profile_steps, timeout=1800, cancel=done)
         except (RuntimeError, TimeoutError, ValueError, FileNotFoundError,
                 requests.RequestException) as e:
             profiles[input_len] = {"error": str(e)[:500]}
@@ -525,7 +551,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--collect", action="store_true",
                    help="launch nothing: build the results from the bench_<config>.jsonl and "
                         "server_<config>.log files already in --out (a run the time box cut "
-                        "short); configs without a bench file are left out; give --gpu")
+                        "short; give --gpu). A config with a server log but no bench file "
+                        "gets a row of the log's numbers alone (bench_cut: true); one with "
+                        "neither is left out")
     p.add_argument("--gpu", default=None, help="GPU name for the results (default: this "
                    "machine's; needed with --collect on a machine without it)")
     p.add_argument("--results-name", default="e2e_h200",
@@ -588,8 +616,13 @@ def main() -> int:
             if args.num_prompts == 0:
                 results[n] = {"completed": 0}
             elif not os.path.exists(bench_paths[n]):
-                print(f"{name}: no {bench_paths[n]}, left out", flush=True)
-                continue
+                if not os.path.exists(log_path):
+                    print(f"{name}: no {bench_paths[n]} and no server log, left out", flush=True)
+                    continue
+                # the time box cut the benchmark: the server's own numbers (its decode log
+                # lines, running requests, tier stats) are all the row has
+                print(f"{name}: no {bench_paths[n]}: a row from the server log only", flush=True)
+                results[n] = {"completed": None, "bench_cut": True}
             else:
                 with open(bench_paths[n]) as f:
                     results[n] = json.loads(f.readlines()[-1])
@@ -658,6 +691,7 @@ def main() -> int:
                 **stats, **(greedy if i == 0 else {}), "context": n,
                 **tier_traffic(flags, stats.get("tier_stats")),
                 **({"decode_profile": profiles[n]} if n in profiles else {}),
+                **({"bench_cut": True} if result.get("bench_cut") else {}),
             })
             print(json.dumps(rows[-1]), flush=True)
         # what has been measured so far survives a run cut by the time box
@@ -680,6 +714,7 @@ def main() -> int:
                   f"{r['greedy_near_tie']} differ at a near tie, mismatches {r['greedy_mismatches']}"
                   f" ({r['greedy_decisive_tokens']} decisive tokens)")
     ok = all(r["completed"] == r["num_prompts"] and r["server_errors"] == 0
+             and r["server_retracted_requests"] == 0
              and r["server_prefill_tokens"] >= 0.9 * r["num_prompts"] * r["input_len"]
              and not r.get("greedy_mismatches")
              # a comparison where every token was a near tie tested nothing

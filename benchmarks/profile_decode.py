@@ -148,33 +148,35 @@ def _generate(port: int, input_ids: list[int], max_new_tokens: int, errors: list
 _BATCH_LINE = re.compile(r"(Prefill|Decode) batch, .*?#running-req: (\d+)(?:.*?#queue-req: (\d+))?")
 
 
-def full_batch_reached(log_text: str, num_prompts: int, stable: int = 3) -> bool:
-    """Whether the server now decodes its full batch: every request running and none queued,
-    or (a pool that holds fewer than asked) its last ``stable`` batch lines are decode lines
-    with one running count, the largest so far and at least half of ``num_prompts`` (so not
-    a warm-up request decoding alone)."""
+def full_batch_reached(log_text: str, num_prompts: int, stable: int = 3) -> Optional[int]:
+    """The number of requests decoding once the server decodes its full batch (else None):
+    every request running and none queued, or (a pool that holds fewer than asked) its last
+    ``stable`` batch lines are decode lines with one running count, the largest so far and
+    at least half of ``num_prompts`` (so not a warm-up request decoding alone)."""
     lines = _BATCH_LINE.findall(log_text)
     decodes = [(int(r), int(q or 0)) for kind, r, q in lines if kind == "Decode"]
     if not decodes:
-        return False
+        return None
     running, queued = decodes[-1]
     if running >= num_prompts and queued == 0:
-        return True
+        return running
     last = lines[-stable:]
-    return (len(last) == stable and all(kind == "Decode" and int(r) == running
-                                        for kind, r, _ in last)
-            and running == max(r for r, _ in decodes) and running >= max(2, num_prompts / 2))
+    steady = (len(last) == stable and all(kind == "Decode" and int(r) == running
+                                          for kind, r, _ in last)
+              and running == max(r for r, _ in decodes) and running >= max(2, num_prompts / 2))
+    return running if steady else None
 
 
 def wait_all_decoding(log_path: str, num_prompts: int, timeout: float,
-                      cancel: Optional[threading.Event] = None) -> None:
-    """Until the server's log shows its full batch decoding (:func:`full_batch_reached`), or
-    ``cancel`` is set (the requests are gone)."""
+                      cancel: Optional[threading.Event] = None) -> int:
+    """Until the server's log shows its full batch decoding (:func:`full_batch_reached`; its
+    size is returned), or ``cancel`` is set (the requests are gone)."""
     deadline = time.time() + timeout
     while time.time() < deadline and not (cancel is not None and cancel.is_set()):
         with open(log_path, errors="replace") as f:
-            if full_batch_reached(f.read(), num_prompts):
-                return
+            running = full_batch_reached(f.read(), num_prompts)
+        if running is not None:
+            return running
         time.sleep(1)
     raise TimeoutError(f"{num_prompts} requests were never all decoding at once")
 
@@ -185,8 +187,9 @@ def profile_running_server(port: int, log_path: str, num_running: int, steps: in
     """Once the server's decode log shows ``num_running`` requests decoding and none queued,
     record ``steps`` decode steps with SGLang's profiler and summarize them. The trace goes to a
     temporary folder (it is not a result: a device call brings back only a few files).
-    ``cancel``: give up waiting (the requests are done)."""
-    wait_all_decoding(log_path, num_running, timeout, cancel)
+    ``cancel``: give up waiting (the requests are done). ``running`` in the result: how many
+    requests decoded in the recorded steps."""
+    running = wait_all_decoding(log_path, num_running, timeout, cancel)
     with tempfile.TemporaryDirectory(prefix="sglang_ext_trace_") as trace_dir:
         requests.post(f"http://127.0.0.1:{port}/start_profile", timeout=600, json={
             "output_dir": trace_dir, "num_steps": steps, "activities": ["GPU"],
@@ -197,7 +200,7 @@ def profile_running_server(port: int, log_path: str, num_running: int, steps: in
                                                         recursive=True):
             time.sleep(2)
         time.sleep(5)  # the file is written in one go; let it finish
-        return summarize_trace(read_trace(trace_dir), steps)
+        return dict(summarize_trace(read_trace(trace_dir), steps), running=running)
 
 
 def profile_config(args: argparse.Namespace, name: str, label_config: Optional[str]) -> dict[str, Any]:

@@ -128,7 +128,42 @@ def test_decode_throughput_and_running_requests_come_from_the_decode_log_lines()
     stats = server_log_stats(log)
     assert stats["server_max_running"] == 5
     assert stats["decode_tok_s"] == 183.25
+    assert stats["server_retracted_requests"] == 0
     assert server_log_stats("no decode yet")["decode_tok_s"] is None
+    retracts = ("[t] KV cache pool is full. Retract requests. #retracted_reqs: 2, "
+                "#new_tokens_gained: 9, #new_token_ratio: 0.7000 -> 0.9000\n") * 2
+    assert server_log_stats(log + "\n" + retracts)["server_retracted_requests"] == 4
+
+
+def test_collect_builds_a_cut_runs_row_from_its_server_log_alone(tmp_path, monkeypatch) -> None:
+    """--collect over a call the time box cut: the config whose bench_serving never finished
+    gets a row of its server log's numbers (bench fields empty, bench_cut), and the driver
+    says the run is incomplete."""
+    import sys
+
+    import benchmarks.e2e_serving as E
+
+    start = _START_LINE.format(cap=16)
+    (tmp_path / "server_flashinfer.log").write_text(start + "[t] Prefill batch, #new-seq: 1, "
+                                                    "#new-token: 655360, #running-req: 0\n")
+    (tmp_path / "bench_flashinfer.jsonl").write_text(json.dumps({
+        "completed": 5, "output_throughput": 43.3, "median_tpot_ms": 28.3}) + "\n")
+    (tmp_path / "server_sglang_ext_tier_fi.log").write_text(
+        start.replace("698122", "1244976") + "[t] Decode batch, #running-req: 8, #token: 9, "
+        "token usage: 0.89, cuda graph: True, gen throughput (token/s): 332.44, #queue-req: 1\n")
+    monkeypatch.setattr(E, "plot", lambda rows, path, title: open(path, "w").close())
+    monkeypatch.setattr(sys, "argv", [
+        "e2e_serving.py", "--out", str(tmp_path), "--configs", "flashinfer",
+        "sglang_ext_tier_fi", "sglang_ext", "--input-len", "131072", "--output-len", "1024",
+        "--num-prompts", "auto", "--concurrency", "auto", "--label-channels", "0",
+        "--model", str(tmp_path), "--collect", "--gpu", "NVIDIA H200"])
+    assert E.main() == 1  # the cut run is not a complete one
+    rows = json.loads((tmp_path / "e2e_h200.json").read_text())["rows"]
+    assert [r["backend"] for r in rows] == ["flashinfer", "sglang_ext_tier_fi"]  # no sglang_ext
+    base, cut = rows
+    assert "bench_cut" not in base and base["completed"] == 5 and base["num_prompts"] == 5
+    assert cut["bench_cut"] and cut["completed"] is None and cut["output_tok_s"] is None
+    assert (cut["num_prompts"], cut["decode_tok_s"], cut["server_max_running"]) == (9, 332.44, 8)
 
 
 def _tier_line(wanted: int, moved: int, steps: int, transfer_s: float, exposed_s: float) -> str:
@@ -239,9 +274,11 @@ def test_auto_concurrency_is_what_the_started_server_holds() -> None:
 
     from benchmarks.e2e_serving import auto_concurrency, count_or_auto
 
-    # FlashInfer's pool in the capacity run: five 128k requests, 20 of 32k + 1k outputs
-    assert auto_concurrency(_START_LINE.format(cap=16), 131072, 32) == 5
-    assert auto_concurrency(_START_LINE.format(cap=48), 32768, 1024) == 20
+    # FlashInfer's pool on the H200: it admitted five 128k requests, 19 of 32k + 1k outputs
+    assert auto_concurrency(_START_LINE.format(cap=16), 131072, 1024) == 5
+    assert auto_concurrency(_START_LINE.format(cap=48), 32768, 1024) == 19
+    assert auto_concurrency(_START_LINE.format(cap=48).replace("698122", "620544"),
+                            32768, 1024) == 17  # ours without the tier: 17 ran
     assert auto_concurrency(_START_LINE.format(cap=16), 32768, 1024) == 16  # the cap
     # a request's tokens round up to whole pages: 698122 // 34832 (not // 34817) = 20
     assert auto_concurrency(_START_LINE.format(cap=48), 34817, 0) == 20
@@ -287,7 +324,7 @@ def test_auto_concurrency_drives_bench_serving_and_the_profile_lands_in_the_row(
 
     def profile(port, log_path, running, steps, timeout, cancel=None):
         profiled.append((os.path.basename(log_path), running, steps))
-        return {"step_ms": 12.5, "idle_ms": 1.0}
+        return {"step_ms": 12.5, "idle_ms": 1.0, "categories": {"gemm": 4.0}, "running": running}
 
     monkeypatch.setattr(E, "launch", launch)
     monkeypatch.setattr(E, "bench", bench)
@@ -295,18 +332,23 @@ def test_auto_concurrency_drives_bench_serving_and_the_profile_lands_in_the_row(
     monkeypatch.setattr(E, "stop", lambda proc: None)
     monkeypatch.setattr(E, "plot", lambda rows, path, title: open(path, "w").close())
     monkeypatch.setattr(P, "profile_running_server", profile)
+    profile_plots: list[list[str]] = []
+    monkeypatch.setattr(E, "plot_profiles", lambda rows, path, title: profile_plots.append(
+        [r["backend"] for r in rows]))
     monkeypatch.setattr(sys, "argv", [
         "e2e_serving.py", "--out", str(tmp_path), "--configs", "flashinfer", "sglang_ext_tier",
         "--input-len", "32768", "--output-len", "1024", "--num-prompts", "auto",
         "--concurrency", "auto", "--profile-steps", "4", "--label-channels", "0",
         "--model", str(tmp_path), "--results-name", "auto_test"])
     assert E.main() == 0
-    # 698122 // 33792 = 20 capped at 16; 1244976 // 33792 = 36
-    assert benched == [(32768, 16, 16), (32768, 36, 36)]
-    assert profiled == [("server_flashinfer.log", 16, 4), ("server_sglang_ext_tier.log", 36, 4)]
+    # 698122 // 35840 = 19 capped at 16; 1244976 // 35840 = 34
+    assert benched == [(32768, 16, 16), (32768, 34, 34)]
+    assert profiled == [("server_flashinfer.log", 16, 4), ("server_sglang_ext_tier.log", 34, 4)]
     rows = json.loads((tmp_path / "auto_test.json").read_text())["rows"]
-    assert [(r["num_prompts"], r["concurrency"]) for r in rows] == [(16, 16), (36, 36)]
-    assert rows[1]["decode_profile"] == {"step_ms": 12.5, "idle_ms": 1.0, "running": 36}
+    assert [(r["num_prompts"], r["concurrency"]) for r in rows] == [(16, 16), (34, 34)]
+    assert rows[1]["decode_profile"] == {"step_ms": 12.5, "idle_ms": 1.0,
+                                         "categories": {"gemm": 4.0}, "running": 34}
+    assert profile_plots == [["flashinfer", "sglang_ext_tier"]]
 
 
 def _run_sh_call(step: str) -> list[str]:

@@ -79,12 +79,12 @@ def test_the_profile_starts_at_the_full_batch_or_at_the_pools_steady_one() -> No
     from benchmarks.profile_decode import full_batch_reached
 
     warmup = _decode(1, 0) * 5  # bench_serving's warm-up request decoding alone
-    assert not full_batch_reached(warmup, 18)
-    assert full_batch_reached(warmup + _prefill(0) + _decode(18, 0), 18)
+    assert full_batch_reached(warmup, 18) is None
+    assert full_batch_reached(warmup + _prefill(0) + _decode(18, 0), 18) == 18
     # the pool held 17 of 18 (one queued): steady once three decode lines in a row show 17
     filling = warmup + _prefill(15) + _decode(16, 2) + _prefill(16) + _decode(17, 1) * 2
-    assert not full_batch_reached(filling, 18)
-    assert full_batch_reached(filling + _decode(17, 1), 18)
+    assert full_batch_reached(filling, 18) is None
+    assert full_batch_reached(filling + _decode(17, 1), 18) == 17
     # the tail of the run: fewer than the most seen
-    assert not full_batch_reached(filling + _decode(17, 1) + _decode(9, 0) * 3, 18)
-    assert not full_batch_reached("", 4)
+    assert full_batch_reached(filling + _decode(17, 1) + _decode(9, 0) * 3, 18) is None
+    assert full_batch_reached("", 4) is None
