@@ -251,13 +251,18 @@ def auto_concurrency(log_text: str, input_len: int, output_len: int, page: int =
     one request's, rounded up to whole pages, capped by its ``max_running_requests``. SGLang's
     admission keeps decode headroom beyond the outputs themselves: on the H200 a pool of
     698,122 tokens admitted 19 of 20 requests of 32k + 1k (and 5 of 128k + 1k), so a request
-    counts two more output lengths. (The profile's trigger also takes a steady smaller batch.)"""
+    counts two more output lengths. With our CPU tier, each home (GPU rows, host store) is
+    counted for whole requests: at 128k + 1k the H200's tier server ran 4 + 4 of the 9 its
+    total would hold. (The profile's trigger also takes a steady smaller batch.)"""
     tokens = re.findall(r"max_total_num_tokens=(\d+)", log_text)
     running = re.findall(r"max_running_requests=(\d+)", log_text)
     if not tokens or not running:
         raise RuntimeError("the server log has no max_total_num_tokens / max_running_requests")
     per_request = -(-(input_len + 3 * output_len) // page) * page
-    return max(1, min(int(running[-1]), int(tokens[-1]) // per_request))
+    homes = re.findall(r"CPU tier: GPU-homed (\d+) tokens, host-homed (\d+) tokens", log_text)
+    held = sum(int(n) // per_request for n in homes[-1]) if homes \
+        else int(tokens[-1]) // per_request
+    return max(1, min(int(running[-1]), held))
 
 
 def locality_vs_two_level(rows: list[dict[str, Any]]) -> None:

@@ -283,6 +283,10 @@ def test_auto_concurrency_is_what_the_started_server_holds() -> None:
     # a request's tokens round up to whole pages: 698122 // 34832 (not // 34817) = 20
     assert auto_concurrency(_START_LINE.format(cap=48), 34817, 0) == 20
     assert auto_concurrency(_START_LINE.format(cap=48), 10**6, 0) == 1
+    # the CPU tier's homes, each for whole requests: 4 + 4 at 128k + 1k (8 of 9 ran on the H200)
+    tier = ("[t] sglang_ext CPU tier: GPU-homed 586688 tokens, host-homed 651040 tokens, working "
+            "area 72192 tokens\n") + _START_LINE.format(cap=16).replace("698122", "1237728")
+    assert auto_concurrency(tier, 131072, 1024) == 8
     with pytest.raises(RuntimeError, match="max_total_num_tokens"):
         auto_concurrency("[t] not started\n", 1000, 10)
     assert count_or_auto("auto") is None and count_or_auto("12") == 12
