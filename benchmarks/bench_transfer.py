@@ -463,6 +463,43 @@ def concurrent_run(torch, attn, attn_ms_alone, gather, gather_bytes, gather_ms_a
 # ----------------------------------------------------------------------------- main
 
 
+def fetch_list_pass(torch, tier, heads, src, dst, page, moved, args, gen, row, failures,
+                    live_share: float = 0.1) -> None:
+    """The tier's fetch list: the entries to copy spread over ``1 / live_share`` times as many
+    listed ones (the rest ``src = -1``: hits), 16 persistent programs as the async tier runs,
+    gathered as listed and compacted first (``LiveEntries``). GB/s of the bytes copied."""
+    from sglang_ext.kernels.host_gather import (
+        DEFAULT_MAX_PROGRAMS,
+        LiveEntries,
+        gather_host_blocks,
+    )
+
+    n = heads.numel()
+    listed = int(n / live_share)
+    where = torch.randperm(listed, generator=gen)[:n].sort().values.cuda()
+    lh, ls, ld = (torch.zeros(listed, dtype=torch.int32, device="cuda") for _ in range(3))
+    ls.fill_(-1)
+    for out, x in ((lh, heads), (ls, src), (ld, dst)):
+        out[where] = x
+    live = LiveEntries(listed, "cuda")
+    kv = dict(host_v=tier.host_v, dev_v=tier.dev_v, max_programs=DEFAULT_MAX_PROGRAMS)
+    ways = {
+        "as_listed": lambda: gather_host_blocks(tier.host_k, tier.dev_k, lh, ls, ld, page, **kv),
+        "compacted": lambda: gather_host_blocks(tier.host_k, tier.dev_k,
+                                                *live.compact(lh, ls, ld), page, **kv),
+    }
+    for name, fn in ways.items():
+        tier.dev_k.zero_(), tier.dev_v.zero_()
+        g = gbps(moved, gpu_time_ms(torch, fn, args.iters, args.warmup))
+        ok = (not args.check) or check_nhd(torch, tier, heads, src, dst, page, gen)
+        if not ok:
+            failures.append(f"fetch list {name}: wrong blocks")
+        row(4096, f"zero_copy_fetch_list_{name}", False, g, tuning=True, live_share=live_share,
+            listed_entries=listed, programs=DEFAULT_MAX_PROGRAMS, check_ok=ok)
+        print(f"  fetch list ({live_share:.0%} of {listed} entries to copy), {name}: "
+              f"{g:.1f} GB/s", flush=True)
+
+
 def run(args) -> dict:
     import torch
 
@@ -525,6 +562,12 @@ def run(args) -> dict:
                     num_warps=4, programs=programs)
                 print(f"  tune runs {runs} warps 4 programs {programs}: {g:.1f} GB/s",
                       flush=True)
+
+    # --- the CPU tier's fetch list at 4 KiB: every working-set slot listed, a tenth of them
+    # misses (the rest -1), gathered as listed vs with the misses put first (LiveEntries)
+    if not over_time("fetch list"):
+        fetch_list_pass(torch, tier, heads4, src4, dst4, page4, moved4, args, gen, row,
+                        failures)
 
     # --- concurrency with decode attention, 4 KiB blocks
     attn, attn_name = None, "none"

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sglang_ext.kernels.host_gather import (
+    LiveEntries,
     gather_host_blocks,
     gather_host_blocks_ref,
     pinned_empty,
@@ -81,6 +82,33 @@ def test_ragged_count(count):
     """Only entries i < count are copied (count > n is clamped); K and V in one launch."""
     gen = case_generator("gather-count", count)
     _check(gen, count=count, n=9, with_v=True, runs_per_program=2)
+
+
+@pytest.mark.parametrize("skip", [0.0, 0.5, 0.9, 1.0])
+def test_live_entries_first_copy_the_same_blocks(skip):
+    """The tier's fetch lists every slot, most of them skipped at a high hit rate; compacted,
+    the live entries come first in their order, ``count`` says how many, and the gather over
+    them copies exactly what the listed entries would. A second, smaller list reuses the
+    buffers: the stale entries past its count are not copied."""
+    gen = case_generator("gather-live", skip)
+    heads, head_dim, page, pages = 3, 16, 4, 40
+    live = LiveEntries(64, DEVICE)
+    for n in (60, 23):  # the second list is shorter than the first
+        host = _host(gen, heads, pages * page, head_dim, torch.float32)
+        head, src, dst = _entries(gen, n, heads, pages, pages, skip=skip)
+        want = torch.full((pages * page, heads, head_dim), POISON, device=DEVICE)
+        got = want.clone()
+        gather_host_blocks_ref(host, want, head, src, dst, page)
+        h, s, d, count = live.compact(head, src, dst)
+        keep = src >= 0
+        assert count.item() == int(keep.sum())
+        m = count.item()
+        for a, b in ((h, head), (s, src), (d, dst)):
+            assert torch.equal(a[:m], b[keep])
+        gather_host_blocks(host, got, h, s, d, page, count, max_programs=4)
+        assert _same_bits(got, want)
+    with pytest.raises(ValueError, match="exceed"):
+        live.compact(*(torch.zeros(65, dtype=torch.int32, device=DEVICE),) * 3)
 
 
 @pytest.mark.parametrize("unit_bytes,page", [(128, 8), (64, 8), (128, 3)])
@@ -168,3 +196,41 @@ def test_gpu_cuda_graph_replay():
         graph.replay()
         torch.cuda.synchronize()
         assert _same_bits(dev, want)
+
+
+@gpu
+@needs_cuda
+def test_gpu_live_entries_under_a_graph_on_a_side_stream():
+    """As the tier's async fetch runs it: compaction and gather captured on a side stream
+    forked from the capturing one, a list mostly of hits (90 % skipped), new lists written in
+    place before each replay."""
+    gen = case_generator("gpu-gather-live-graph")
+    heads, d, page, n = 8, 128, 16, 4096
+    host = _host(gen, heads, 4096 * page, d, torch.bfloat16)
+    dev = torch.full((4096 * page, heads, d), POISON, dtype=torch.bfloat16, device="cuda")
+    head, src, dst = (torch.zeros(n, dtype=torch.int32, device="cuda") for _ in range(3))
+    src.fill_(-1)
+    live = LiveEntries(n, "cuda")
+    side = torch.cuda.Stream()
+
+    def fetch():
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            gather_host_blocks(host, dev, *live.compact(head, src, dst), page, max_programs=16)
+        torch.cuda.current_stream().wait_stream(side)
+
+    fetch()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fetch()
+    for skip in (0.9, 0.0, 1.0):
+        dev.fill_(POISON)
+        h, s, t = _entries(gen, n, heads, 4096, 4096, skip=skip, device="cuda")
+        head.copy_(h), src.copy_(s), dst.copy_(t)
+        want = dev.clone()
+        gather_host_blocks_ref(host, want, head, src, dst, page)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _same_bits(dev, want)
+        assert live.count.item() == int((src >= 0).sum())

@@ -41,7 +41,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from sglang_ext.kernels.host_gather import DEFAULT_MAX_PROGRAMS
+from sglang_ext.kernels.host_gather import DEFAULT_MAX_PROGRAMS, LiveEntries
 from sglang_ext.kernels.stream_clock import StreamClock
 from sglang_ext.kernels.working_set import update_working_set
 from sglang_ext.memory_tier.host_store import HostKVStore
@@ -98,6 +98,8 @@ class WorkingSetTier:
             torch.arange(num_kv_heads, **i32)[None, :, None]
             .expand(max_batch, num_kv_heads, num_slots).contiguous()
         )
+        # each fetch's misses, put first for the gather (one set: fetches run in stream order)
+        self._live = LiveEntries(max_batch * num_kv_heads * num_slots, self.device)
         self.stats = torch.zeros(2, dtype=torch.int64, device=self.device)
         # [rows, R] each row's recent-window ring: its device pages and the block each holds
         # (set by the pool). A wanted block in the ring is fetched into a slot before the ring
@@ -250,7 +252,7 @@ class WorkingSetTier:
         programs = self.gather_programs if self.gather_programs is not None else (
             None if self.mode == "sync" else DEFAULT_MAX_PROGRAMS)
         self.host.load(layer, self._heads[:batch].reshape(-1), src.reshape(-1), dst.reshape(-1),
-                       k_buffer, v_buffer, max_programs=programs)
+                       k_buffer, v_buffer, max_programs=programs, live=self._live)
 
     def read_stats(self) -> dict[str, float]:
         wanted, missed = (int(x) for x in self.stats.tolist())
