@@ -355,9 +355,9 @@ def test_auto_concurrency_drives_bench_serving_and_the_profile_lands_in_the_row(
     assert profile_plots == [["flashinfer", "sglang_ext_tier"]]
 
 
-def _run_sh_call(step: str) -> list[str]:
+def _run_sh_call(step: str, env: dict[str, str] | None = None) -> list[str]:
     """The e2e_serving.py arguments of a run.sh step, as bash expands them (defaults of the
-    step's environment variables, OUT=out)."""
+    step's environment variables unless ``env`` sets them, OUT=out)."""
     import re
     import subprocess
 
@@ -365,8 +365,31 @@ def _run_sh_call(step: str) -> list[str]:
     body = re.search(rf"^    {re.escape(step)}\)\n(.*?);;", text, re.S | re.M).group(1)
     call = re.search(r"python3 benchmarks/e2e_serving.py(.*?)\|\| status=1", body, re.S).group(1)
     out = subprocess.run(["bash", "-c", f'OUT=out; eval "set -- $1"; printf "%s\\0" "$@"', "_",
-                          call.replace("\\\n", " ")], capture_output=True, text=True, check=True)
+                          call.replace("\\\n", " ")], capture_output=True, text=True, check=True,
+                         env={**os.environ, **(env or {})})
     return out.stdout.split("\0")[:-1]
+
+
+def test_e2e_step_passes_the_documented_knobs() -> None:
+    """run.sh e2e as the README's 128k command calls it: auto concurrency, the profile, the
+    server flags and a block size reach the driver, and its parser takes them."""
+    from benchmarks.e2e_serving import build_parser
+
+    extra = ("--mem-fraction-static 0.8 --max-running-requests 16 --cuda-graph-max-bs 16 "
+             "--chunked-prefill-size 32768")
+    args = build_parser().parse_args(_run_sh_call("e2e", {
+        "E2E_CONFIGS": "flashinfer sglang_ext_tier_locality_fi", "E2E_INPUT": "131072",
+        "E2E_OUTPUT": "1024", "E2E_PROMPTS": "auto", "E2E_WARMUP": "0",
+        "E2E_PROFILE_STEPS": "8", "E2E_EXTRA": extra, "E2E_BLOCK_SIZE": "32"}))
+    assert args.configs == ["flashinfer", "sglang_ext_tier_locality_fi"]
+    assert (args.input_len, args.output_len, args.warmup_requests) == ([131072], 1024, 0)
+    assert args.num_prompts is None and args.concurrency is None  # auto
+    assert (args.profile_steps, args.block_size, args.extra, args.append) == (8, 32, extra, False)
+    # the defaults: 16 prompts at once, no profile, the config's block size
+    args = build_parser().parse_args(_run_sh_call("e2e"))
+    assert (args.num_prompts, args.concurrency, args.profile_steps, args.block_size) == \
+        (16, 16, 0, 0)
+    assert build_parser().parse_args(_run_sh_call("e2e", {"E2E_APPEND": "1"})).append
 
 
 def test_mla_e2e_step_parses_and_its_configs_start_on_the_mla_model() -> None:

@@ -57,7 +57,8 @@ for step in "$@"; do
         --input-len ${E2E_INPUT:-32768} --output-len "${E2E_OUTPUT:-512}" \
         --num-prompts "${E2E_PROMPTS:-16}" --concurrency "${E2E_CONCURRENCY:-${E2E_PROMPTS:-16}}" \
         --warmup-requests "${E2E_WARMUP:-1}" --profile-steps "${E2E_PROFILE_STEPS:-0}" \
-        ${E2E_APPEND:+--append} --extra "${E2E_EXTRA:---mem-fraction-static 0.75}" || status=1 ;;
+        ${E2E_BLOCK_SIZE:+--block-size "$E2E_BLOCK_SIZE"} ${E2E_APPEND:+--append} \
+        --extra "${E2E_EXTRA:---mem-fraction-static 0.75}" || status=1 ;;
     soak)
       # >= 200 requests of 1k-128k tokens, ~10 % aborted, CPU tier on, metrics on; decisive dummy
       # weights so that the reference subset's greedy comparison means something. A 128k prompt
