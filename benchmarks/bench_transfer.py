@@ -489,7 +489,8 @@ def fetch_list_pass(torch, tier, heads, src, dst, page, moved, args, gen, row, f
                                                 *live.compact(lh, ls, ld), page, **kv),
     }
     for name, fn in ways.items():
-        tier.dev_k.zero_(), tier.dev_v.zero_()
+        tier.dev_k.zero_()
+        tier.dev_v.zero_()
         g = gbps(moved, gpu_time_ms(torch, fn, args.iters, args.warmup))
         ok = (not args.check) or check_nhd(torch, tier, heads, src, dst, page, gen)
         if not ok:

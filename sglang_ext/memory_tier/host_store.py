@@ -64,11 +64,12 @@ class HostKVStore:
         if live is not None:
             heads, src_pages, dst_pages, count = live.compact(heads, src_pages, dst_pages)
         if k_buffer.device.type == "cpu":
-            if count is not None:  # the live entries are the first count ones
+            if count is not None:  # compacted: the first count entries, every one live
                 n = int(count)
-                heads, src_pages, dst_pages = heads[:n], src_pages[:n], dst_pages[:n]
-            keep = src_pages >= 0
-            h, s, d = heads[keep].long(), src_pages[keep].long(), dst_pages[keep].long()
+                h, s, d = heads[:n].long(), src_pages[:n].long(), dst_pages[:n].long()
+            else:
+                keep = src_pages >= 0
+                h, s, d = heads[keep].long(), src_pages[keep].long(), dst_pages[keep].long()
             offs = torch.arange(self.page_size)
             src_tok = (s[:, None] * self.page_size + offs).reshape(-1)
             dst_tok = (d[:, None] * self.page_size + offs).reshape(-1)
