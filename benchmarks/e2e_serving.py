@@ -77,14 +77,19 @@ CONFIGS["sglang_ext_tier_fi"] = CONFIGS["sglang_ext_tier"] + ["--sparse-dense-ba
 # 2048 - 16 - 64 tokens query-agnostic, key_norm score, the automatic block filter of which at
 # most LOCALITY_NEW_SHARE may be new per step), so the working set is E_t (which persists) plus
 # the filter, whose turnover per step the limit bounds.
-_LOCALITY_SHAPE = dict(budget=2048, sink=16, window=64, block_size=16)
-_LOCALITY_K_E = locality_blocks_for_share(LOCALITY_SHARE, **_LOCALITY_SHAPE)
-CONFIGS["sglang_ext_tier_locality"] = CONFIGS["sglang_ext_tier"] + [
-    "--sparse-locality-blocks", str(_LOCALITY_K_E), "--sparse-eviction-score", "key_norm",
-    "--sparse-locality-new-blocks",
-    str(locality_new_blocks_for_share(LOCALITY_NEW_SHARE, **_LOCALITY_SHAPE)),
-    "--sparse-candidate-blocks",
-    str(locality_limited_candidate_blocks(LOCALITY_FILTER_SCALE, **_LOCALITY_SHAPE))]
+def locality_args(block_size: int = 16, budget: int = 2048) -> list[str]:
+    """The locality flags at ``block_size``: ``k_e``, the new-block limit and the filter are
+    counted in blocks, so they are derived again for each block size (the same shares)."""
+    shape = dict(budget=budget, sink=16, window=64, block_size=block_size)
+    return ["--sparse-locality-blocks", str(locality_blocks_for_share(LOCALITY_SHARE, **shape)),
+            "--sparse-eviction-score", "key_norm",
+            "--sparse-locality-new-blocks",
+            str(locality_new_blocks_for_share(LOCALITY_NEW_SHARE, **shape)),
+            "--sparse-candidate-blocks",
+            str(locality_limited_candidate_blocks(LOCALITY_FILTER_SCALE, **shape))]
+
+
+CONFIGS["sglang_ext_tier_locality"] = CONFIGS["sglang_ext_tier"] + locality_args()
 # the same with FlashInfer's prefill: the tier configuration for 128k serving runs
 CONFIGS["sglang_ext_tier_locality_fi"] = CONFIGS["sglang_ext_tier_locality"] + [
     "--sparse-dense-backend", "flashinfer"]
@@ -449,6 +454,10 @@ def ours_flags(name: str, block_size: int, label_config: str | None) -> list[str
         return flags
     if block_size:
         flags[flags.index("--sparse-block-size") + 1] = str(block_size)
+        if "--sparse-locality-blocks" in flags:
+            start = flags.index("--sparse-locality-blocks")
+            fresh = locality_args(block_size)
+            flags[start:start + len(fresh)] = fresh
     if label_config:
         flags += ["--sparse-label-config", label_config]
     return flags

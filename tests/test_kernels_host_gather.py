@@ -216,7 +216,8 @@ def test_gpu_live_entries_under_a_graph_on_a_side_stream():
     def fetch():
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            gather_host_blocks(host, dev, *live.compact(head, src, dst), page, max_programs=16)
+            h, s, t, count = live.compact(head, src, dst)
+            gather_host_blocks(host, dev, h, s, t, page, count, max_programs=16)
         torch.cuda.current_stream().wait_stream(side)
 
     fetch()  # compile outside the capture

@@ -4,6 +4,7 @@
 # Usage: bash benchmarks/device/run.sh COMMIT STEP...
 #   steps: env fi-warmup fi-wait fi-pack gputests clock operator mla-operator tier fluxion transfer server
 #   e2e soak capacity locality profile tp2-greedy mla-e2e pack-logs (tp2-greedy: on nvidia-h200-x2)
+# gputests: GPUTESTS_K (a pytest -k expression), GPUTESTS_ARGS (more pytest words), GPUTESTS_SECONDS
 # Wheels in .whl/ (carried, git-ignored; e.g. prometheus_client for --enable-metrics, which the
 # bundle lacks) are installed first.
 set -uo pipefail
@@ -32,7 +33,7 @@ for step in "$@"; do
       python3 -c "from importlib.metadata import entry_points as e; print(e(group='sglang.srt.plugins'))" ;;
     gputests)
       timeout "${GPUTESTS_SECONDS:-600}" python3 -m pytest -q -rfE -m gpu tests/ -p no:cacheprovider \
-        ${GPUTESTS_ARGS:-} 2>&1 \
+        ${GPUTESTS_K:+-k "$GPUTESTS_K"} ${GPUTESTS_ARGS:-} 2>&1 \
         | tee "$OUT/gputests.log" | tail -25
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     operator)

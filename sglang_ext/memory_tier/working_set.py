@@ -47,6 +47,8 @@ from sglang_ext.kernels.working_set import update_working_set
 from sglang_ext.memory_tier.host_store import HostKVStore
 
 MODES = ("sync", "async")
+# torch's stream priority (lower = higher; out-of-range values map to the device's highest)
+PREFETCH_STREAM_PRIORITY = -1
 # StreamClock slots: marks, then nanosecond accumulators.
 _FETCH_START, _FENCE, _TRANSFER_NS, _EXPOSED_NS = range(4)
 
@@ -106,7 +108,13 @@ class WorkingSetTier:
         # reuses its page (kernels/working_set.py).
         self.ring_pages: Optional[Tensor] = None
         self.ring_blocks: Optional[Tensor] = None
-        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # The prefetch stream has the highest priority: the compute stream keeps every SM busy,
+        # and at the default priority each small kernel of a layer's fetch (the working-set
+        # update, the compaction, the gather) waits for the running kernels' blocks to drain
+        # before it gets an SM, which stretches a 0.3 ms copy over most of a layer. Priority
+        # only orders the blocks waiting for an SM; it does not preempt running ones.
+        self._side = (torch.cuda.Stream(self.device, priority=PREFETCH_STREAM_PRIORITY)
+                      if self.device.type == "cuda" else None)
         self._forked = False
         self.clock = StreamClock(4, self.device) if timing else None
         self._clock_started = False
