@@ -304,17 +304,14 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
                   ("max_total_num_tokens", "KV tokens (logical)")] + panels
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
 
-    def series(r: dict[str, Any]) -> str:  # one bar series per backend, model and TP size
-        tp = r.get("tp", 1)
-        return f"{r['backend']} ({r.get('model', '?')}{f', tp {tp}' if tp > 1 else ''})"
-
-    backends = list(dict.fromkeys(series(r) for r in rows))
+    newest = newest_by_series(rows)
+    backends = list(dict.fromkeys(series_name(r) for r in rows))
     contexts = sorted({r["input_len"] for r in rows})
     width = 0.8 / len(backends)
     for ax, (key, label) in zip(axes, panels):
         for i, backend in enumerate(backends):
-            ys = [next((r.get(key) or 0 for r in rows
-                        if series(r) == backend and r["input_len"] == c), 0) for c in contexts]
+            ys = [(newest[(backend, c)].get(key) or 0) if (backend, c) in newest else 0
+                  for c in contexts]
             ax.bar([j + i * width for j in range(len(contexts))], ys, width, label=backend)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(contexts))],
                       [f"{c // 1024}k" for c in contexts])
@@ -413,11 +410,35 @@ def _top2_margin(reply: dict[str, Any], pos: int) -> Optional[float]:
 
 
 def merge_rows(path: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows already in ``path`` (runs of other context lengths or TP sizes) with this run's
-    rows replacing those of the same backend, input length, TP size and model."""
+    """The rows already in ``path`` with this run's rows replacing those of the same backend,
+    input length, TP size, model and commit. Rows of other commits stay: each ours row's speedup
+    is against its own run's flashinfer row, which must stay beside it."""
     return results_io.merge_rows(
-        path, rows, key=lambda r: (r["backend"], r["input_len"], r["tp"], r["model"]),
+        path, rows, key=lambda r: (r["backend"], r["input_len"], r["tp"], r["model"],
+                                   r.get("commit")),
         defaults={"tp": 1})
+
+
+def block_size_of(row: dict[str, Any]) -> Optional[int]:
+    """Our block size in a row's config (None for the full-attention baselines)."""
+    words = row.get("config", "").split()
+    if "--sparse-block-size" in words:
+        return int(words[words.index("--sparse-block-size") + 1])
+    return None
+
+
+def newest_by_series(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
+    """``(series, input_len) -> row``: where several runs (commits) measured a series at one
+    length, the newest (the last row: merged files append the new run's rows)."""
+    return {(series_name(r), r["input_len"]): r for r in rows}
+
+
+def series_name(row: dict[str, Any]) -> str:
+    """One plot series per backend, block size, model and TP size."""
+    tp = row.get("tp", 1)
+    block = block_size_of(row)
+    return (f"{row['backend']}{f' bs{block}' if block else ''} "
+            f"({row.get('model', '?')}{f', tp {tp}' if tp > 1 else ''})")
 
 
 def synthetic_label_config(model_path: str, channels: int, out_dir: str) -> str:
@@ -494,7 +515,8 @@ def plot_profiles(rows: list[dict[str, Any]], path: str, title: str) -> None:
     time per stage, stacked, beside the step's wall time."""
     from benchmarks.profile_decode import plot as plot_stages
 
-    plot_stages([dict(r["decode_profile"], config=r["backend"], input_len=r["input_len"],
+    plot_stages([dict(r["decode_profile"], config=series_name(r).split(" (")[0],
+                      input_len=r["input_len"],
                       num_prompts=r["decode_profile"].get("running", r["concurrency"]))
                  for r in rows], path, title)
 

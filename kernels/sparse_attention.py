@@ -45,6 +45,11 @@ _D_CHUNK = 64
 _ACC_ELEMENTS = 8192
 # Value tiles at least this wide (MLA's 512-dim latent) are gathered 32 slots at a time.
 _WIDE_DV = 512
+# Launch defaults (benchmarks/bench_sparse_attention.py): programs per SM that the split count
+# aims for, V gathered beside K, tiles of padding only skipped by a branch.
+PROGRAMS_PER_SM = 2
+DEFAULT_EARLY_V = False
+DEFAULT_SKIP_PAD_TILES = True
 
 
 def head_dim_tiling(head_dim: int) -> tuple[int, int]:
@@ -54,6 +59,83 @@ def head_dim_tiling(head_dim: int) -> tuple[int, int]:
     if whole <= _MAX_WHOLE_HEAD_DIM:
         return whole, 1
     return _D_CHUNK, triton.cdiv(head_dim, _D_CHUNK)
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    q_rows,
+    K_BUFFER,
+    V_BUFFER,
+    slot,
+    g,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    hmask,
+    m_i,
+    l_i,
+    acc,
+    qk_scale_log2,
+    HEAD_TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D_CHUNKS: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    EARLY_V: tl.constexpr,
+):
+    """One tile of BLOCK_N selected slots into the running (max, sum, acc) of a head tile."""
+    valid = slot >= 0
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    dv = tl.arange(0, BLOCK_DV)
+    dvmask = dv < HEAD_DIM_V
+    k_rows = K_BUFFER + slot[:, None] * stride_kn + g * stride_kh
+    v_ptrs = V_BUFFER + slot[:, None] * stride_vn + g * stride_vh + dv[None, :]
+    v_mask = valid[:, None] & dvmask[None, :]
+    if D_CHUNKS == 1:
+        k = tl.load(k_rows + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        if EARLY_V:
+            # V's gather issued beside K's: twice the reads in flight per tile (a decode over
+            # scattered slots is bound by how many random reads each SM keeps in flight)
+            v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [HT, BN]
+    else:
+        if EARLY_V:
+            v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+        # wide heads (MLA's 576): q·k chunk by chunk; the q chunks are re-read (L1)
+        s = tl.zeros([HEAD_TILE, BLOCK_N], tl.float32)
+        for c in tl.static_range(D_CHUNKS):
+            dc = c * BLOCK_D + d
+            dcmask = dc < HEAD_DIM
+            qc = tl.load(q_rows + dc[None, :], mask=hmask[:, None] & dcmask[None, :], other=0.0)
+            kc = tl.load(k_rows + dc[None, :], mask=valid[:, None] & dcmask[None, :], other=0.0)
+            if DOT_F32:
+                qc = qc.to(tl.float32)
+                kc = kc.to(tl.float32)
+            s = tl.dot(qc, tl.trans(kc), acc=s, input_precision=PRECISION)
+    s = s * qk_scale_log2
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if not EARLY_V:
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    p = p.to(v.dtype)  # 16-bit probabilities for the tensor-core PV product
+    if DOT_F32:
+        p = p.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -91,6 +173,8 @@ def _sparse_attn_split_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
+    EARLY_V: tl.constexpr,
+    SKIP_PAD_TILES: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) // NUM_HEAD_TILES
@@ -110,6 +194,8 @@ def _sparse_attn_split_kernel(
         q = tl.load(q_rows + d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0)
         if DOT_F32:
             q = q.to(tl.float32)
+    else:  # wide heads re-read their q chunks per tile
+        q = 0.0
 
     m_i = tl.full([HEAD_TILE], float("-inf"), tl.float32)
     l_i = tl.zeros([HEAD_TILE], tl.float32)
@@ -119,49 +205,22 @@ def _sparse_attn_split_kernel(
     for i in range(CHUNK // BLOCK_N):
         n = split * CHUNK + i * BLOCK_N + tl.arange(0, BLOCK_N)
         slot = tl.load(slot_base + n, mask=n < NUM_SEL, other=-1).to(tl.int64)
-        valid = slot >= 0
-        # A tile of padding only (slots are left-packed, so this is the tail of a row whose
-        # budget is below the workspace's: the accuracy guard's per-request budgets) adds
-        # nothing: skip its loads and dots.
-        if tl.max(slot) >= 0:
-            k_rows = K_BUFFER + slot[:, None] * stride_kn + g * stride_kh
-            if D_CHUNKS == 1:
-                k = tl.load(k_rows + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
-                if DOT_F32:
-                    k = k.to(tl.float32)
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [HT, BN]
-            else:
-                # wide heads (MLA's 576): q·k chunk by chunk; the q chunks are re-read (L1)
-                s = tl.zeros([HEAD_TILE, BLOCK_N], tl.float32)
-                for c in tl.static_range(D_CHUNKS):
-                    dc = c * BLOCK_D + d
-                    dcmask = dc < HEAD_DIM
-                    qc = tl.load(q_rows + dc[None, :], mask=hmask[:, None] & dcmask[None, :],
-                                 other=0.0)
-                    kc = tl.load(k_rows + dc[None, :], mask=valid[:, None] & dcmask[None, :],
-                                 other=0.0)
-                    if DOT_F32:
-                        qc = qc.to(tl.float32)
-                        kc = kc.to(tl.float32)
-                    s = tl.dot(qc, tl.trans(kc), acc=s, input_precision=PRECISION)
-            s = s * qk_scale_log2
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(
-                V_BUFFER + slot[:, None] * stride_vn + g * stride_vh + dv[None, :],
-                mask=valid[:, None] & dvmask[None, :],
-                other=0.0,
-            )
-            p = p.to(v.dtype)  # 16-bit probabilities for the tensor-core PV product
-            if DOT_F32:
-                p = p.to(tl.float32)
-                v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-            m_i = m_new
+        if SKIP_PAD_TILES:
+            # A tile of padding only (slots are left-packed, so this is the tail of a row whose
+            # budget is below the workspace's: the accuracy guard's per-request budgets) adds
+            # nothing: skip its loads and dots. The branch keeps Triton from pipelining the
+            # loop's loads, which the branch-free variant (masked loads, no traffic) allows.
+            if tl.max(slot) >= 0:
+                m_i, l_i, acc = _attend_tile(
+                    q, q_rows, K_BUFFER, V_BUFFER, slot, g, stride_kn, stride_kh, stride_vn,
+                    stride_vh, hmask, m_i, l_i, acc, qk_scale_log2, HEAD_TILE, HEAD_DIM,
+                    HEAD_DIM_V, BLOCK_D, D_CHUNKS, BLOCK_DV, BLOCK_N, PRECISION, DOT_F32,
+                    EARLY_V)
+        else:
+            m_i, l_i, acc = _attend_tile(
+                q, q_rows, K_BUFFER, V_BUFFER, slot, g, stride_kn, stride_kh, stride_vn,
+                stride_vh, hmask, m_i, l_i, acc, qk_scale_log2, HEAD_TILE, HEAD_DIM,
+                HEAD_DIM_V, BLOCK_D, D_CHUNKS, BLOCK_DV, BLOCK_N, PRECISION, DOT_F32, EARLY_V)
 
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -217,15 +276,18 @@ def _sparse_attn_merge_kernel(
     tl.store(LSE + b * stride_lb + h, lse)
 
 
-def default_num_splits(batch: int, num_kv_heads: int, num_selected: int, device=None) -> int:
-    """Static split count: enough (request, kv head, split) programs to fill the GPU ~2x,
-    each with at least one BLOCK_N tile. Depends only on shapes (CUDA-graph safe)."""
+def default_num_splits(batch: int, num_kv_heads: int, num_selected: int, device=None,
+                       programs_per_sm: int | None = None) -> int:
+    """Static split count: enough (request, kv head, split) programs to fill the GPU
+    ``programs_per_sm`` times (default :data:`PROGRAMS_PER_SM`), each with at least one BLOCK_N
+    tile. Depends only on shapes (CUDA-graph safe)."""
     max_splits = max(1, triton.cdiv(num_selected, _BLOCK_N))
     if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
         sms = 4
-    want = triton.cdiv(2 * sms, max(1, batch * num_kv_heads))
+    per_sm = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
+    want = triton.cdiv(per_sm * sms, max(1, batch * num_kv_heads))
     return max(1, min(max_splits, want))
 
 
@@ -249,6 +311,8 @@ def sparse_attention_batched(
     lse: Tensor | None = None,
     partial_o: Tensor | None = None,
     partial_lse: Tensor | None = None,
+    early_v: bool | None = None,
+    skip_pad_tiles: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of each query head over its kv head's selected slots.
 
@@ -257,7 +321,10 @@ def sparse_attention_batched(
     anywhere; the valid slots of a row must be distinct, a repeated slot is attended twice).
     Returns ``(out [B, Hq, Dv] q.dtype, lse [B, Hq] float32)``. ``partial_o``
     (float32 ``[>=B, Hq, >=splits, Dv]``) / ``partial_lse`` (``[>=B, Hq, >=splits]``) are
-    scratch; pass preallocated ones for CUDA graphs.
+    scratch; pass preallocated ones for CUDA graphs. ``early_v`` (default
+    :data:`DEFAULT_EARLY_V`): gather a tile's V rows beside its K rows instead of after the
+    softmax; ``skip_pad_tiles`` (default :data:`DEFAULT_SKIP_PAD_TILES`): branch over tiles of
+    padding only instead of running them masked. Neither changes the result.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, head_dim_v = k_buffer.shape[1], v_buffer.shape[2]
@@ -345,6 +412,8 @@ def sparse_attention_batched(
         BLOCK_N=block_n,
         PRECISION="ieee" if dot_f32 else precision,
         DOT_F32=dot_f32,
+        EARLY_V=DEFAULT_EARLY_V if early_v is None else early_v,
+        SKIP_PAD_TILES=DEFAULT_SKIP_PAD_TILES if skip_pad_tiles is None else skip_pad_tiles,
         num_warps=4,
         num_stages=2,
     )

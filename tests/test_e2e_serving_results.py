@@ -13,6 +13,9 @@ from benchmarks.e2e_serving import (
     compare_greedy,
     locality_vs_two_level,
     merge_rows,
+    newest_by_series,
+    plot,
+    series_name,
     server_log_stats,
     tier_traffic,
 )
@@ -53,14 +56,37 @@ def test_merge_rows_keeps_other_runs_and_replaces_the_same_one(tmp_path: Path) -
     old_rows = [{"backend": "flashinfer", "input_len": 32768, "output_tok_s": 1.0},
                 {"backend": "sglang_ext", "input_len": 32768, "output_tok_s": 2.0}]
     path.write_text(json.dumps({"commit": "old", "model": "m8", "rows": old_rows}))
-    new = [{"backend": "sglang_ext", "input_len": 32768, "tp": 1, "model": "m8", "output_tok_s": 3.0},
-           {"backend": "sglang_ext", "input_len": 65536, "tp": 2, "model": "m14", "output_tok_s": 4.0}]
+    new = [{"backend": "sglang_ext", "input_len": 32768, "tp": 1, "model": "m8", "output_tok_s": 3.0,
+            "commit": "old"},
+           {"backend": "sglang_ext", "input_len": 65536, "tp": 2, "model": "m14", "output_tok_s": 4.0,
+            "commit": "old"}]
     merged = merge_rows(str(path), new)
     assert [(r["backend"], r["output_tok_s"]) for r in merged] == [
         ("flashinfer", 1.0), ("sglang_ext", 3.0), ("sglang_ext", 4.0)]
     # rows from the old file carry the file's commit and model once merged
     assert merged[0]["commit"] == "old" and merged[0]["model"] == "m8" and merged[0]["tp"] == 1
     assert merge_rows(str(tmp_path / "missing.json"), new) == new
+    # another commit's run of the same backend and length is kept beside it, with its baseline
+    path.write_text(json.dumps({"commit": "old", "model": "m8", "rows": merged}))
+    newer = [{"backend": "flashinfer", "input_len": 32768, "tp": 1, "model": "m8",
+              "output_tok_s": 5.0, "commit": "new"}]
+    assert [(r["commit"], r["backend"], r["output_tok_s"]) for r in merge_rows(str(path), newer)
+            ] == [("old", "flashinfer", 1.0), ("old", "sglang_ext", 3.0),
+                  ("old", "sglang_ext", 4.0), ("new", "flashinfer", 5.0)]
+
+
+def test_series_names_tell_block_sizes_apart_and_the_plot_shows_the_newest_run(
+        tmp_path: Path) -> None:
+    ours = {"backend": "sglang_ext_fi", "model": "m8", "tp": 1,
+            "config": "--attention-backend sglang_ext --sparse-block-size 32 --x 1"}
+    assert series_name(ours) == "sglang_ext_fi bs32 (m8)"
+    assert series_name({"backend": "flashinfer", "model": "m8", "tp": 2, "config": "x"}) \
+        == "flashinfer (m8, tp 2)"
+    rows = [dict(ours, input_len=32768, output_tok_s=1.0, median_itl_ms=9.0, commit="a"),
+            dict(ours, input_len=32768, output_tok_s=2.0, median_itl_ms=8.0, commit="b")]
+    assert newest_by_series(rows) == {("sglang_ext_fi bs32 (m8)", 32768): rows[1]}
+    plot(rows, str(tmp_path / "p.png"), "t")
+    assert (tmp_path / "p.png").stat().st_size > 0
 
 
 FI_LOG = """[2026-11-29 21:23:36 TP0] KV Cache is allocated. dtype: torch.bfloat16, #tokens: 1265744, K size: 48.28 GB, V size: 48.28 GB

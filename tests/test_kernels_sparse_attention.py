@@ -39,14 +39,14 @@ def _random_selection(gen, pb, num_sel):
     return sel
 
 
-def _check(pb, q, sel, sm_scale, num_splits, dtype):
+def _check(pb, q, sel, sm_scale, num_splits, dtype, **variant):
     batch, hq = q.shape[:2]
     dv = pb.v_buffer.shape[2]
     out = torch.full((batch, hq, dv), float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full((batch, hq), float("nan"), device=q.device)
     got_o, got_l = sparse_attention_batched(
-        q, pb.k_buffer, pb.v_buffer, sel, sm_scale, num_splits=num_splits, out=out, lse=lse
-    )
+        q, pb.k_buffer, pb.v_buffer, sel, sm_scale, num_splits=num_splits, out=out, lse=lse,
+        **variant)
     assert got_o.data_ptr() == out.data_ptr() and got_l.data_ptr() == lse.data_ptr()
     ref_o, ref_l = sparse_attention_batched_ref(q, pb.k_buffer, pb.v_buffer, sel, sm_scale)
     assert not got_o.isnan().any() and not got_l.isnan().any()
@@ -69,6 +69,35 @@ def test_matches_reference(hq, hkv, dtype, num_splits):
     q = random_values(gen, 3, hq, head_dim, dtype=dtype, device=DEVICE)
     sel = _random_selection(gen, pb, 48).to(DEVICE)
     _check(pb, q, sel, head_dim ** -0.5, num_splits, dtype)
+
+
+@pytest.mark.parametrize("early_v", [False, True], ids=["v_after", "v_early"])
+@pytest.mark.parametrize("skip_pad_tiles", [False, True], ids=["masked", "branch"])
+def test_launch_variants_match_reference(early_v, skip_pad_tiles):
+    """V gathered beside K, and padding tiles run masked instead of skipped: the same
+    attention, padding-only tiles included (a row left-packed to half the workspace)."""
+    gen = case_generator("attn-variants", early_v, skip_pad_tiles)
+    hq, hkv, d, bs = 6, 2, 32, 4
+    pb = make_paged_batch(gen, [70, 90], hkv, d, bs, dtype=torch.bfloat16, device=DEVICE,
+                          summary_chunks=0)
+    q = random_values(gen, 2, hq, d, dtype=torch.bfloat16, device=DEVICE)
+    sel = _random_selection(gen, pb, 64)
+    packed = torch.full_like(sel[1, 0], -1)
+    live = sel[1, 0][sel[1, 0] >= 0][:16]
+    packed[:live.numel()] = live  # one head's row: 16 slots, then 48 of padding (3 tiles of 16)
+    sel[1, 0] = packed
+    _check(pb, q, sel.to(DEVICE), d ** -0.5, 2, torch.bfloat16, early_v=early_v,
+           skip_pad_tiles=skip_pad_tiles)
+
+
+def test_split_count_aims_at_programs_per_sm():
+    from sglang_ext.kernels.sparse_attention import default_num_splits
+
+    # 4 "SMs" off CUDA: 2 x 4 programs over 1 x 2 rows -> 4 splits; 8 per SM -> 16, capped by
+    # the 2048 / 64 = 32 tiles of the row
+    assert default_num_splits(1, 2, 2048, "cpu", programs_per_sm=2) == 4
+    assert default_num_splits(1, 2, 2048, "cpu", programs_per_sm=8) == 16
+    assert default_num_splits(1, 1, 128, "cpu", programs_per_sm=64) == 2
 
 
 def test_int32_slots_and_lse_merge():
@@ -99,3 +128,17 @@ def test_gpu_real_shapes(num_splits):
     q = random_values(gen, 4, 32, 128, dtype=torch.bfloat16, device="cuda")
     sel = _random_selection(gen, pb, 2048).cuda()
     _check(pb, q, sel, 128 ** -0.5, num_splits, torch.bfloat16)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("early_v", [False, True], ids=["v_after", "v_early"])
+@pytest.mark.parametrize("skip_pad_tiles", [False, True], ids=["masked", "branch"])
+def test_gpu_launch_variants(early_v, skip_pad_tiles):
+    gen = case_generator("gpu-attn-variants", early_v, skip_pad_tiles)
+    pb = make_paged_batch(gen, [32768, 2000, 1], 8, 128, 16, dtype=torch.bfloat16,
+                          device="cuda", summary_chunks=0)
+    q = random_values(gen, 3, 32, 128, dtype=torch.bfloat16, device="cuda")
+    sel = _random_selection(gen, pb, 2048).cuda()
+    _check(pb, q, sel, 128 ** -0.5, None, torch.bfloat16, early_v=early_v,
+           skip_pad_tiles=skip_pad_tiles)

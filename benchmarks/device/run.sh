@@ -2,7 +2,8 @@
 # One self-contained run on the GPU host (see ../shared/gpu/README.md): unpack the SGLang bundle,
 # install this repo, then the named steps. Results land in $OUT (or benchmarks/results).
 # Usage: bash benchmarks/device/run.sh COMMIT STEP...
-#   steps: env fi-warmup fi-wait fi-pack gputests clock operator mla-operator tier fluxion transfer server
+#   steps: env fi-warmup fi-wait fi-pack gputests clock operator mla-operator sparse-attention tier fluxion
+#   transfer server
 #   e2e soak capacity locality profile tp2-greedy mla-e2e pack-logs (tp2-greedy: on nvidia-h200-x2)
 # gputests: GPUTESTS_K (a pytest -k expression), GPUTESTS_ARGS (more pytest words), GPUTESTS_SECONDS
 # Wheels in .whl/ (carried, git-ignored; e.g. prometheus_client for --enable-metrics, which the
@@ -46,6 +47,8 @@ for step in "$@"; do
       python3 benchmarks/bench_tier.py --check --out "$OUT" ${TIER_ARGS:-} || status=1 ;;
     fluxion)
       python3 benchmarks/bench_fluxion.py --check --out "$OUT" ${FLUXION_ARGS:-} || status=1 ;;
+    sparse-attention)
+      python3 benchmarks/bench_sparse_attention.py --out "$OUT" ${SPARSE_ATTENTION_ARGS:-} || status=1 ;;
     transfer)
       python3 benchmarks/bench_transfer.py --out "$OUT" ${TRANSFER_ARGS:-} || status=1 ;;
     server)
