@@ -176,7 +176,7 @@ def server_log_stats(log_text: str) -> dict[str, int]:
 
 # The tier stats line's cumulative counters (the rest are gauges or ratios of these).
 TIER_COUNTERS = ("wanted_blocks", "transferred_blocks", "transfer_s", "exposed_transfer_s",
-                 "decode_steps", "transferred_bytes")
+                 "decode_steps", "transferred_bytes", "host_wanted_blocks")
 
 
 def span_log_stats(log_text: str, start: int, end: int) -> dict[str, Any]:
@@ -194,6 +194,9 @@ def span_log_stats(log_text: str, start: int, end: int) -> dict[str, Any]:
         if "wanted_blocks" in tier and "transferred_blocks" in tier:
             tier["hit_rate"] = 1 - tier["transferred_blocks"] / tier["wanted_blocks"] \
                 if tier["wanted_blocks"] else 1.0
+        if "host_wanted_blocks" in tier and "transferred_blocks" in tier:
+            tier["host_hit_rate"] = 1 - tier["transferred_blocks"] / tier["host_wanted_blocks"] \
+                if tier["host_wanted_blocks"] else 1.0
         if "transfer_s" in tier and "exposed_transfer_s" in tier:
             tier["hidden_fraction"] = 1 - tier["exposed_transfer_s"] / tier["transfer_s"] \
                 if tier["transfer_s"] else None

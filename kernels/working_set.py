@@ -35,7 +35,9 @@ filter's top-k), one program per (request, kv head):
 Only the difference moves: a block wanted at consecutive steps is never transferred twice.
 Rows whose ``tiered[row]`` is 0 (requests whose whole KV is on the GPU, and the padding row 0
 of CUDA graphs) are left untouched and produce no transfers. No host sync, static shapes: safe
-inside a CUDA graph. ``stats`` (int64 ``[2]``, optional) accumulates (wanted, missed) counts.
+inside a CUDA graph. ``stats`` (int64 ``[3]``, optional) accumulates (wanted, missed,
+host-homed wanted) counts: the hit rate among host-homed blocks is what sizes the transfers
+(a request homed on the GPU wants blocks that always hit).
 """
 
 from __future__ import annotations
@@ -145,6 +147,9 @@ def _update_working_set_kernel(
     if HAS_STATS:
         tl.atomic_add(STATS, tl.sum(valid.to(tl.int64), axis=0))
         tl.atomic_add(STATS + 1, tl.sum(got.to(tl.int64), axis=0))
+        home = tl.load(REQ_TO_TOKEN + row * stride_r2t + cand * BLOCK_SIZE, mask=valid, other=0)
+        on_host = valid & (home // BLOCK_SIZE >= host_page_offset)
+        tl.atomic_add(STATS + 2, tl.sum(on_host.to(tl.int64), axis=0))
 
 
 def update_working_set(
@@ -185,6 +190,9 @@ def update_working_set(
     for name, t in checked:
         if t.dtype != torch.int32 or t.stride(-1) != 1:
             raise ValueError(f"{name} must be int32 with contiguous rows")
+    if stats is not None and (stats.dtype != torch.int64 or stats.numel() != 3):
+        raise ValueError(f"stats must be int64 [3] (wanted, missed, host-homed wanted), got "
+                         f"{stats.dtype} {tuple(stats.shape)}")
     if src_pages is None:
         src_pages = torch.empty_like(cand)
     if dst_pages is None:

@@ -195,6 +195,7 @@ def test_collect_builds_a_cut_runs_row_from_its_server_log_alone(tmp_path, monke
 def _tier_line(wanted: int, moved: int, steps: int, transfer_s: float, exposed_s: float) -> str:
     return ("[t] sglang_ext tier stats: " + json.dumps({
         "wanted_blocks": wanted, "transferred_blocks": moved, "hit_rate": 1 - moved / wanted,
+        "host_wanted_blocks": wanted // 2, "host_hit_rate": 1 - moved / (wanted // 2),
         "transfer_s": transfer_s, "exposed_transfer_s": exposed_s,
         "hidden_fraction": 1 - exposed_s / transfer_s, "work_pages_free": 7,
         "decode_steps": steps, "transferred_bytes": moved * 100}) + "\n")
@@ -222,6 +223,8 @@ def test_a_span_of_a_reused_servers_log_gets_its_own_counters() -> None:
     assert (tb["wanted_blocks"], tb["transferred_blocks"], tb["decode_steps"]) == (200, 10, 32)
     assert tb["transferred_bytes"] == 1000 and tb["work_pages_free"] == 7
     assert abs(tb["hit_rate"] - 0.95) < 1e-12 and abs(tb["hidden_fraction"] - 0.9) < 1e-12
+    # host-homed: 150 - 50 = 100 wanted in the span, 10 moved
+    assert tb["host_wanted_blocks"] == 100 and abs(tb["host_hit_rate"] - 0.9) < 1e-12
     assert (b["decode_tok_s"], b["server_max_running"], b["server_errors"]) == (70.0, 2, 1)
     assert b["server_prefill_tokens"] == 64
     assert (b["max_total_num_tokens"], b["host_store_gb"]) == (5000, 48.0)

@@ -79,7 +79,7 @@ def _run_sequence(device, steps, batch, num_kv_heads, num_cand, max_blocks, seed
     req_pool_indices = torch.tensor(tiered_rows[:batch - 1] + [rows - 1], dtype=torch.int64)
     cand = None
     resident_before = None
-    stats = torch.zeros(2, dtype=torch.int64, device=device)
+    stats = torch.zeros(3, dtype=torch.int64, device=device)
     total_wanted = total_missed = 0
     for _ in range(steps):
         cand = _random_cand(gen, batch, num_kv_heads, num_cand, max_blocks, prev=cand)
@@ -126,7 +126,8 @@ def _run_sequence(device, steps, batch, num_kv_heads, num_cand, max_blocks, seed
         # Shared pages are never unmapped.
         for (r, g, blk), page in shared.items():
             assert int(ref.ws_map[r, g, blk]) == page
-    assert stats.tolist() == [total_wanted, total_missed]
+    # host_page_offset 0: every logical page is host-homed
+    assert stats.tolist() == [total_wanted, total_missed, total_wanted]
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
@@ -204,3 +205,36 @@ def test_first_step_loads_everything_then_only_the_difference():
 def test_working_set_gpu_real_shapes(num_cand, max_blocks):
     _run_sequence("cuda", steps=3, batch=4, num_kv_heads=8, num_cand=num_cand,
                   max_blocks=max_blocks, seed=1)
+
+
+def test_stats_count_host_homed_wanted_blocks_apart():
+    """With ``host_page_offset`` G, wanted blocks whose logical page is below G are GPU-homed
+    (mapped to themselves, always hits): the third counter counts only the others."""
+    gen = case_generator("ws-host-stats")
+    rows, hkv, max_blocks, num_cand, bs = 3, 2, 24, 6, 4
+    state = TierState(gen, rows, hkv, max_blocks, num_cand, bs, tiered_rows=[1, 2])
+    offset = rows * max_blocks // 2  # half the logical pages are GPU-homed
+    page_of = state.req_to_token[:, ::bs] // bs  # [rows, max_blocks]
+    gpu_homed = page_of < offset
+    for r in (1, 2):
+        for g in range(hkv):
+            blocks = gpu_homed[r].nonzero().flatten()
+            state.ws_map[r, g, blocks] = page_of[r, blocks].to(torch.int32)
+    cand = _random_cand(gen, 2, hkv, num_cand, max_blocks)
+    req_pool_indices = torch.tensor([1, 2])
+    ker = state.clone().to(DEVICE)
+    stats = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    src, _ = update_working_set(cand.to(DEVICE), req_pool_indices.to(DEVICE), ker.tiered,
+                                ker.ws_map, ker.slot_block, ker.slot_pages, ker.req_to_token, bs,
+                                stats=stats, host_page_offset=offset)
+    valid = cand >= 0
+    homes = torch.stack([page_of[r][cand[b].clamp(min=0).long()] for b, r in enumerate([1, 2])])
+    host_wanted = int((valid & (homes >= offset)).sum())
+    assert 0 < host_wanted < int(valid.sum())
+    # every host-homed wanted block misses (empty slots), and nothing GPU-homed moves
+    assert stats.tolist() == [int(valid.sum()), host_wanted, host_wanted]
+    assert int((src.cpu() >= 0).sum()) == host_wanted
+    with pytest.raises(ValueError, match="stats must be int64"):
+        update_working_set(cand.to(DEVICE), req_pool_indices.to(DEVICE), ker.tiered, ker.ws_map,
+                           ker.slot_block, ker.slot_pages, ker.req_to_token, bs,
+                           stats=torch.zeros(2, dtype=torch.int64, device=DEVICE))

@@ -120,7 +120,7 @@ def test_metrics_endpoint_shows_tier_counters(tiered: Server):
         sampler.join()
     values = _tier_metrics(tiered)
     for name in ("wanted_blocks_total", "transferred_blocks_total", "transferred_bytes_total",
-                 "hit_rate", "working_area_pages", "working_area_free_pages", "requests",
+                 "hit_rate", "host_hit_rate", "working_area_pages", "working_area_free_pages", "requests",
                  "requests_waiting_for_space"):
         assert "sglang_ext:tier_" + name in values, sorted(values)
     total = values["sglang_ext:tier_working_area_pages"]

@@ -28,6 +28,10 @@ class TierMetrics:
         self.transferred_bytes = Counter(p + "transferred_bytes", "Bytes fetched from host memory")
         self.hit_rate = Gauge(p + "hit_rate", "Share of chosen blocks already on the GPU (cumulative)",
                               multiprocess_mode="mostrecent")
+        self.host_hit_rate = Gauge(p + "host_hit_rate",
+                                   "Share of chosen host-homed blocks already on the GPU "
+                                   "(cumulative; what sizes the transfers)",
+                                   multiprocess_mode="mostrecent")
         self.work_free = Gauge(p + "working_area_free_pages", "Free pages of the GPU working area",
                                multiprocess_mode="mostrecent")
         self.work_total = Gauge(p + "working_area_pages", "Pages of the GPU working area",
@@ -70,6 +74,7 @@ class TierMetrics:
         self.transferred.inc(max(moved, 0))
         self.transferred_bytes.inc(max(moved, 0) * self.page_bytes)
         self.hit_rate.set(occupancy["hit_rate"])
+        self.host_hit_rate.set(occupancy["host_hit_rate"])
         if occupancy.get("transfer_s") is not None:
             transfer, exposed = occupancy["transfer_s"], occupancy["exposed_transfer_s"]
             self.transfer_seconds.inc(max(transfer - self._last_times[0], 0.0))

@@ -102,7 +102,7 @@ class WorkingSetTier:
         )
         # each fetch's misses, put first for the gather (one set: fetches run in stream order)
         self._live = LiveEntries(max_batch * num_kv_heads * num_slots, self.device)
-        self.stats = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self.stats = torch.zeros(3, dtype=torch.int64, device=self.device)
         # [rows, R] each row's recent-window ring: its device pages and the block each holds
         # (set by the pool). A wanted block in the ring is fetched into a slot before the ring
         # reuses its page (kernels/working_set.py).
@@ -263,11 +263,14 @@ class WorkingSetTier:
                        k_buffer, v_buffer, max_programs=programs, live=self._live)
 
     def read_stats(self) -> dict[str, float]:
-        wanted, missed = (int(x) for x in self.stats.tolist())
+        wanted, missed, host_wanted = (int(x) for x in self.stats.tolist())
         stats = {
             "wanted_blocks": wanted,
             "transferred_blocks": missed,
             "hit_rate": 1.0 - missed / wanted if wanted else 1.0,
+            # GPU-homed blocks always hit: the rate among host-homed ones sizes the transfers
+            "host_wanted_blocks": host_wanted,
+            "host_hit_rate": 1.0 - missed / host_wanted if host_wanted else 1.0,
         }
         if self.clock is not None:
             ticks = self.clock.read()
