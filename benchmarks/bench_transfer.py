@@ -483,6 +483,7 @@ def fetch_list_pass(torch, tier, heads, src, dst, page, moved, args, gen, row, f
         out[where] = x
     live = LiveEntries(listed, "cuda")
     kv = dict(host_v=tier.host_v, dev_v=tier.dev_v, max_programs=DEFAULT_MAX_PROGRAMS)
+
     def compacted() -> None:
         ch, cs, cd, count = live.compact(lh, ls, ld)
         gather_host_blocks(tier.host_k, tier.dev_k, ch, cs, cd, page, count, **kv)

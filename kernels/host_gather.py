@@ -264,11 +264,13 @@ class LiveEntries:
     their number, for :func:`gather_host_blocks`'s ``count``.
 
     The CPU tier's fetch lists every working-set slot of its batch (batch x kv heads x slots),
-    and at a high hit rate most of them are hits (``-1``). Gathered as listed, each persistent
-    program spends most of its iterations on skipped entries, and few PCIe reads are in flight:
-    the served 128k runs moved 23-41 GB/s where the same kernel moves 51 GB/s of live entries.
-    The buffers are allocated once for ``capacity`` entries; :meth:`compact` is a few
-    static-shape device ops (no host sync: CUDA-graph safe)."""
+    and at a high hit rate most of them are hits (``-1``). Compacting such a list first was
+    meant to keep more PCIe reads in flight, but it does not pay: with 10% of 1.3 M listed
+    entries live, the gather moved 44.9 GB/s as listed and 44.7 GB/s compacted
+    (``bench_transfer.py``'s fetch-list rows, ``transfer_h200_fetch_list.json``), so the tier
+    gathers its lists as they are and this stays for gathers of mostly skipped entries
+    elsewhere. The buffers are allocated once for ``capacity`` entries; :meth:`compact` is a
+    few static-shape device ops (no host sync: CUDA-graph safe)."""
 
     def __init__(self, capacity: int, device: torch.device | str) -> None:
         i32 = dict(dtype=torch.int32, device=device)

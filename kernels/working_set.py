@@ -140,15 +140,15 @@ def _update_working_set_kernel(
     tl.debug_barrier()  # evictions above land before the new mappings below
     tl.store(map_base + cand, dst_page, mask=got)
     tl.store(sb_base + dst_slot, cand, mask=got)
-    first_slot = tl.load(REQ_TO_TOKEN + row * stride_r2t + cand * BLOCK_SIZE, mask=got, other=-1)
+    # every wanted block's logical page: a miss's host page, and (stats) whether it is host-homed
+    first_slot = tl.load(REQ_TO_TOKEN + row * stride_r2t + cand * BLOCK_SIZE, mask=valid, other=0)
     src_page = tl.where(got, first_slot // BLOCK_SIZE - host_page_offset, -1)
     tl.store(SRC_PAGES + out_off, src_page.to(tl.int32), mask=in_c)
     tl.store(DST_PAGES + out_off, tl.where(got, dst_page, -1).to(tl.int32), mask=in_c)
     if HAS_STATS:
         tl.atomic_add(STATS, tl.sum(valid.to(tl.int64), axis=0))
         tl.atomic_add(STATS + 1, tl.sum(got.to(tl.int64), axis=0))
-        home = tl.load(REQ_TO_TOKEN + row * stride_r2t + cand * BLOCK_SIZE, mask=valid, other=0)
-        on_host = valid & (home // BLOCK_SIZE >= host_page_offset)
+        on_host = valid & (first_slot // BLOCK_SIZE >= host_page_offset)
         tl.atomic_add(STATS + 2, tl.sum(on_host.to(tl.int64), axis=0))
 
 

@@ -2,9 +2,9 @@
 # One self-contained run on the GPU host (see ../shared/gpu/README.md): unpack the SGLang bundle,
 # install this repo, then the named steps. Results land in $OUT (or benchmarks/results).
 # Usage: bash benchmarks/device/run.sh COMMIT STEP...
-#   steps: env fi-warmup fi-wait fi-pack gputests clock operator mla-operator sparse-attention tier fluxion
-#   transfer server
-#   e2e soak capacity locality profile tp2-greedy mla-e2e pack-logs (tp2-greedy: on nvidia-h200-x2)
+#   steps: env fi-warmup fi-wait fi-pack gputests clock operator mla-operator sparse-attention
+#   tier fluxion transfer server e2e soak capacity locality profile tp2-greedy mla-e2e pack-logs
+#   (tp2-greedy: on nvidia-h200-x2)
 # gputests: GPUTESTS_K (a pytest -k expression), GPUTESTS_ARGS (more pytest words), GPUTESTS_SECONDS
 # Wheels in .whl/ (carried, git-ignored; e.g. prometheus_client for --enable-metrics, which the
 # bundle lacks) are installed first.

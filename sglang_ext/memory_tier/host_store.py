@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from sglang_ext.kernels.host_gather import LiveEntries, gather_host_blocks, pinned_empty
+from sglang_ext.kernels.host_gather import gather_host_blocks, pinned_empty
 from sglang_ext.kernels.host_scatter import scatter_to_host
 
 
@@ -53,23 +53,15 @@ class HostKVStore:
 
     def load(self, layer: int, heads: Tensor, src_pages: Tensor, dst_pages: Tensor,
              k_buffer: Tensor, v_buffer: Optional[Tensor] = None,
-             max_programs: int | None = None, live: Optional[LiveEntries] = None) -> None:
+             max_programs: int | None = None) -> None:
         """Copy blocks ``src_pages`` (host pages = logical pages) of kv heads ``heads`` into
         device pages ``dst_pages`` of the layer's pool buffers (``-1`` skips), K and V in one
         launch; ``max_programs`` caps the SMs the copy occupies (to leave the rest to kernels
         running beside it). Without a stored V, ``v_buffer`` (a view of ``k_buffer``'s rows
-        for an MLA pool) is ignored: copying K's rows filled it. ``live``: put the entries to
-        copy first before the gather (a list with many skipped entries)."""
-        count = None
-        if live is not None:
-            heads, src_pages, dst_pages, count = live.compact(heads, src_pages, dst_pages)
+        for an MLA pool) is ignored: copying K's rows filled it."""
         if k_buffer.device.type == "cpu":
-            if count is not None:  # compacted: the first count entries, every one live
-                n = int(count)
-                h, s, d = heads[:n].long(), src_pages[:n].long(), dst_pages[:n].long()
-            else:
-                keep = src_pages >= 0
-                h, s, d = heads[keep].long(), src_pages[keep].long(), dst_pages[keep].long()
+            keep = src_pages >= 0
+            h, s, d = heads[keep].long(), src_pages[keep].long(), dst_pages[keep].long()
             offs = torch.arange(self.page_size)
             src_tok = (s[:, None] * self.page_size + offs).reshape(-1)
             dst_tok = (d[:, None] * self.page_size + offs).reshape(-1)
@@ -79,7 +71,7 @@ class HostKVStore:
             return
         has_v = self.v is not None
         gather_host_blocks(self.k[layer], k_buffer, heads, src_pages, dst_pages, self.page_size,
-                           count, host_v=self.v[layer] if has_v else None,
+                           host_v=self.v[layer] if has_v else None,
                            dev_v=v_buffer if has_v else None, max_programs=max_programs)
 
     def read_tokens(self, layer: int, slots: Tensor) -> tuple[Tensor, Optional[Tensor]]:

@@ -41,7 +41,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from sglang_ext.kernels.host_gather import DEFAULT_MAX_PROGRAMS, LiveEntries
+from sglang_ext.kernels.host_gather import DEFAULT_MAX_PROGRAMS
 from sglang_ext.kernels.stream_clock import StreamClock
 from sglang_ext.kernels.working_set import update_working_set
 from sglang_ext.memory_tier.host_store import HostKVStore
@@ -100,8 +100,6 @@ class WorkingSetTier:
             torch.arange(num_kv_heads, **i32)[None, :, None]
             .expand(max_batch, num_kv_heads, num_slots).contiguous()
         )
-        # each fetch's misses, put first for the gather (one set: fetches run in stream order)
-        self._live = LiveEntries(max_batch * num_kv_heads * num_slots, self.device)
         self.stats = torch.zeros(3, dtype=torch.int64, device=self.device)
         # [rows, R] each row's recent-window ring: its device pages and the block each holds
         # (set by the pool). A wanted block in the ring is fetched into a slot before the ring
@@ -110,7 +108,7 @@ class WorkingSetTier:
         self.ring_blocks: Optional[Tensor] = None
         # The prefetch stream has the highest priority: the compute stream keeps every SM busy,
         # and at the default priority each small kernel of a layer's fetch (the working-set
-        # update, the compaction, the gather) waits for the running kernels' blocks to drain
+        # update, the gather) waits for the running kernels' blocks to drain
         # before it gets an SM, which stretches a 0.3 ms copy over most of a layer. Priority
         # only orders the blocks waiting for an SM; it does not preempt running ones.
         self._side = (torch.cuda.Stream(self.device, priority=PREFETCH_STREAM_PRIORITY)
@@ -260,7 +258,7 @@ class WorkingSetTier:
         programs = self.gather_programs if self.gather_programs is not None else (
             None if self.mode == "sync" else DEFAULT_MAX_PROGRAMS)
         self.host.load(layer, self._heads[:batch].reshape(-1), src.reshape(-1), dst.reshape(-1),
-                       k_buffer, v_buffer, max_programs=programs, live=self._live)
+                       k_buffer, v_buffer, max_programs=programs)
 
     def read_stats(self) -> dict[str, float]:
         wanted, missed, host_wanted = (int(x) for x in self.stats.tolist())
