@@ -1,14 +1,17 @@
-"""The sparse decode attention stage alone (kernels/sparse_attention.py): its launch variants
-side by side at the serving runs' shapes, to pick the defaults.
+"""Two decode stages alone, their launch variants side by side at the serving runs' shapes, to
+pick the defaults: the sparse attention (kernels/sparse_attention.py) and the Quest block scores
+(kernels/block_scores.py).
 
-The e2e profiles put the stage at 2.36 ms per decode step for 17 requests x 36 layers of
-Qwen3-8B shapes (32 query / 8 kv heads, 128 dims, 2048 selected tokens per kv head), about 1.1
-TB/s of the K/V rows it reads: a quarter of the H200's HBM rate. Each variant is timed on one
-layer, with the selection shaped as the two-level selection makes it (whole 32-token blocks
-kept, about half of each block's tokens picked), against its bytes floor (the K and V rows read
-at 4.8 TB/s). Variants: the programs per SM the split count aims for, V gathered beside K, and
-padding tiles branched over or run masked. Every variant's output is checked against the
-default's.
+The e2e profiles put the attention at 2.36 ms per decode step for 17 requests x 36 layers of
+Qwen3-8B shapes (32 query / 8 kv heads, 128 dims, 2048 selected tokens per kv head) and the
+block scores at 2.02 ms (16-token blocks of 32k contexts). Each variant is timed on one layer,
+captured in a CUDA graph, L2 flushed before every timed replay (bench_operator's Timer: a
+step's next layer reads other memory), against its bytes floor at 4.8 TB/s. The attention's
+selection is shaped as the two-level selection makes it (whole blocks kept, about half of each
+block's tokens picked); its variants: the programs per SM the split count aims for, slots per
+tile, warps, pipeline stages, V gathered beside K. The block scores' variants: blocks per
+program, warps, stages, over the pages of contiguous 32k requests. Every variant's output is
+checked against the default's.
 
     python benchmarks/bench_sparse_attention.py --out benchmarks/results
 """
@@ -23,23 +26,36 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.bench_transfer import gpu_time_ms  # noqa: E402
+from benchmarks.bench_operator import Timer  # noqa: E402
 from benchmarks.results_io import git_commit, gpu_name, write_results  # noqa: E402
 
 HBM_TBPS = 4.8  # H200 HBM3e peak, for the bytes floor
+HQ, HKV, HEAD_DIM = 32, 8, 128  # Qwen3-8B
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    p.add_argument("--stages", default="attention,block_scores")
     p.add_argument("--batches", default="4,17,30")
     p.add_argument("--selected", type=int, default=2048, help="slots per (request, kv head)")
     p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--context", type=int, default=32768, help="block scores: tokens per request")
     p.add_argument("--pool-tokens", type=int, default=640_000, help="one layer's KV slots")
-    p.add_argument("--programs-per-sm", default="2,8")
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--programs-per-sm", default="2,4,8")
+    p.add_argument("--block-n", default="32,64,128", help="attention: slots per tile")
+    p.add_argument("--warps", default="4,8")
+    p.add_argument("--num-stages", default="2,3")
+    p.add_argument("--early-v", default="0,1")
+    p.add_argument("--block-nb", default="32,64,128", help="block scores: blocks per program")
+    p.add_argument("--score-stages", default="2,3,4")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
     return p.parse_args(argv)
 
 
@@ -61,79 +77,176 @@ def two_level_selection(torch, batch: int, num_kv_heads: int, selected: int, blo
     return slots.reshape(batch, num_kv_heads, -1).to(torch.int32)
 
 
+def attention_variants(args: argparse.Namespace) -> list[dict]:
+    return [dict(programs_per_sm=p, block_n=n, num_warps=w, num_stages=st, early_v=bool(e))
+            for p, n, w, st, e in itertools.product(
+                _ints(args.programs_per_sm), _ints(args.block_n), _ints(args.warps),
+                _ints(args.num_stages), _ints(args.early_v))]
+
+
+def block_score_variants(args: argparse.Namespace) -> list[dict]:
+    return [dict(block_nb=n, num_warps=w, num_stages=st)
+            for n, w, st in itertools.product(_ints(args.block_nb), _ints(args.warps),
+                                              _ints(args.score_stages))]
+
+
+def _timed_rows(timer, stage: str, batch: int, variants: list[dict], build, floor_ms: float,
+                default: dict, failures: list[str]) -> list[dict]:
+    """One row per variant: ``build(variant)`` gives the call; its output is compared with the
+    default variant's (run first)."""
+    rows = []
+    ordered = [default] + [v for v in variants if v != default]
+    want = None
+    for var in ordered:
+        fn = build(var)
+        try:
+            run = timer.capture(fn)
+            ms = timer.time_ms(run)
+        except Exception as exc:  # noqa: BLE001 - a variant that does not compile is reported
+            failures.append(f"{stage} batch {batch} {var}: {type(exc).__name__}: {exc}"[:300])
+            continue
+        got = fn()
+        got = (got[0] if isinstance(got, tuple) else got).float()
+        if want is None:
+            want = got
+        finite = want.isfinite()
+        err = (got[finite] - want[finite]).abs().max().item() if finite.any() else 0.0
+        if err > 2e-2 or not (got.isfinite() == finite).all():
+            failures.append(f"{stage} batch {batch} {var}: max |diff| {err:.3g} vs the default")
+        row = dict(stage=stage, batch=batch, **var, ms=ms, floor_ms=floor_ms,
+                   tbps=floor_ms / ms * HBM_TBPS, max_abs_diff=err, is_default=var == default)
+        rows.append(row)
+        print(f"{stage} B={batch:3d} {var}: {ms * 1e3:7.1f} us ({row['tbps']:.2f} TB/s, floor "
+              f"{floor_ms * 1e3:.1f} us){'  default' if row['is_default'] else ''}", flush=True)
+    return rows
+
+
+def run_attention(torch, args, timer, failures: list[str]) -> list[dict]:
+    from sglang_ext.kernels import sparse_attention as sa
+
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(args.pool_tokens, HKV, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    default = dict(programs_per_sm=sa.PROGRAMS_PER_SM, block_n=64,
+                   num_warps=sa.DEFAULT_NUM_WARPS, num_stages=sa.DEFAULT_NUM_STAGES,
+                   early_v=sa.DEFAULT_EARLY_V)
+    rows = []
+    for batch in _ints(args.batches):
+        q = torch.randn(batch, HQ, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        sel = two_level_selection(torch, batch, HKV, args.selected, args.block_size,
+                                  args.pool_tokens, gen).cuda()
+        floor_ms = batch * HKV * args.selected * HEAD_DIM * 2 * 2 / (HBM_TBPS * 1e12) * 1e3
+
+        def build(var):
+            splits = sa.default_num_splits(batch, HKV, args.selected, "cuda",
+                                           programs_per_sm=var["programs_per_sm"],
+                                           block_n=var["block_n"])
+            return lambda: sa.sparse_attention_batched(
+                q, k, v, sel, HEAD_DIM ** -0.5, num_splits=splits, early_v=var["early_v"],
+                block_n=var["block_n"], num_warps=var["num_warps"],
+                num_stages=var["num_stages"])
+
+        rows += _timed_rows(timer, "attention", batch, attention_variants(args), build,
+                            floor_ms, default, failures)
+    del k, v
+    return rows
+
+
+def run_block_scores(torch, args, timer, failures: list[str]) -> list[dict]:
+    from sglang_ext.kernels.block_scores import quest_block_scores_batched
+
+    bs, ctx = args.block_size, args.context
+    max_blocks = ctx // bs
+    default = dict(block_nb=64, num_warps=4, num_stages=None)
+    rows = []
+    for batch in _ints(args.batches):
+        pages = batch * max_blocks
+        kmin = torch.randn(pages, HKV, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        kmax = kmin + torch.rand_like(kmin)
+        # each request's pages contiguous, as after a fresh prefill
+        req_to_token = torch.arange(batch * ctx, dtype=torch.int32, device="cuda").view(batch, ctx)
+        rows_idx = torch.arange(batch, dtype=torch.int64, device="cuda")
+        seq_lens = torch.full((batch,), ctx, dtype=torch.int64, device="cuda")
+        q = torch.randn(batch, HQ, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        floor_ms = pages * HKV * HEAD_DIM * 2 * 2 / (HBM_TBPS * 1e12) * 1e3
+
+        def build(var):
+            return lambda: quest_block_scores_batched(
+                q, kmin, kmax, req_to_token, rows_idx, seq_lens, bs, 16, 64, max_blocks,
+                block_nb=var["block_nb"], num_warps=var["num_warps"],
+                num_stages=var["num_stages"])
+
+        rows += _timed_rows(timer, "block_scores", batch, block_score_variants(args), build,
+                            floor_ms, default, failures)
+        del kmin, kmax, req_to_token
+    return rows
+
+
 def run(args: argparse.Namespace) -> dict:
     import torch
 
-    from sglang_ext.kernels import sparse_attention as sa
-
     torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(0)
-    hq, hkv, d = 32, 8, 128
-    k = torch.randn(args.pool_tokens, hkv, d, dtype=torch.bfloat16, device="cuda")
-    v = torch.randn_like(k)
-    rows = []
-    failures = []
-    variants = [dict(programs_per_sm=int(p), early_v=e, skip_pad_tiles=s)
-                for p, e, s in itertools.product(args.programs_per_sm.split(","),
-                                                 (False, True), (True, False))]
-    for batch in (int(b) for b in args.batches.split(",")):
-        q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device="cuda")
-        sel = two_level_selection(torch, batch, hkv, args.selected, args.block_size,
-                                  args.pool_tokens, gen).cuda()
-        floor_ms = batch * hkv * args.selected * d * 2 * 2 / (HBM_TBPS * 1e12) * 1e3
-        want = None
-        for var in variants:
-            splits = sa.default_num_splits(batch, hkv, args.selected, "cuda",
-                                           programs_per_sm=var["programs_per_sm"])
-
-            def call(var=var, splits=splits):
-                return sa.sparse_attention_batched(q, k, v, sel, d ** -0.5, num_splits=splits,
-                                                   early_v=var["early_v"],
-                                                   skip_pad_tiles=var["skip_pad_tiles"])
-
-            got, _ = call()
-            if want is None:
-                want = got.float()
-            err = (got.float() - want).abs().max().item()
-            if err > 2e-2:
-                failures.append(f"batch {batch} {var}: max |diff| {err:.3g} vs the first variant")
-            ms = gpu_time_ms(torch, call, args.iters, args.warmup)
-            row = dict(batch=batch, splits=splits, **var, ms=ms, floor_ms=floor_ms,
-                       tbps=floor_ms / ms * HBM_TBPS, max_abs_diff=err,
-                       is_default=(var["programs_per_sm"] == sa.PROGRAMS_PER_SM
-                                   and var["early_v"] == sa.DEFAULT_EARLY_V
-                                   and var["skip_pad_tiles"] == sa.DEFAULT_SKIP_PAD_TILES))
-            rows.append(row)
-            print(f"B={batch:3d} splits {splits:2d} {var}: {ms * 1e3:7.1f} us "
-                  f"({row['tbps']:.2f} TB/s, floor {floor_ms * 1e3:.1f} us)", flush=True)
+    timer = Timer(torch, args.warmup, args.iters, graphs=True)
+    rows: list[dict] = []
+    failures: list[str] = []
+    stages = args.stages.split(",")
+    if "attention" in stages:
+        rows += run_attention(torch, args, timer, failures)
+        timer.release()
+    if "block_scores" in stages:
+        rows += run_block_scores(torch, args, timer, failures)
+        timer.release()
     return dict(rows=rows, failures=failures)
 
 
 def variant_name(row: dict) -> str:
-    return (f"{row['programs_per_sm']}/SM{' earlyV' if row['early_v'] else ''}"
-            f"{' branch' if row['skip_pad_tiles'] else ' masked'}")
+    if row.get("stage", "attention") == "block_scores":
+        return f"nb{row['block_nb']} w{row['num_warps']} s{row['num_stages']}"
+    return (f"{row['programs_per_sm']}/SM n{row.get('block_n', 64)} w{row.get('num_warps', 4)} "
+            f"s{row.get('num_stages', 2)}{' earlyV' if row['early_v'] else ''}")
+
+
+def best_by_case(rows: list[dict]) -> list[dict]:
+    """Per (stage, batch): the default's and the fastest variant's time."""
+    out = []
+    for stage, batch in dict.fromkeys((r["stage"], r["batch"]) for r in rows):
+        case = [r for r in rows if r["stage"] == stage and r["batch"] == batch]
+        best = min(case, key=lambda r: r["ms"])
+        default = next((r for r in case if r["is_default"]), None)
+        out.append(dict(stage=stage, batch=batch, best=variant_name(best), best_ms=best["ms"],
+                        best_tbps=best["tbps"],
+                        default_ms=None if default is None else default["ms"],
+                        default_tbps=None if default is None else default["tbps"],
+                        gain=None if default is None else default["ms"] / best["ms"]))
+    return out
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
+    """Per stage: each batch's default and fastest variant (named on its bar)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    batches = sorted({r["batch"] for r in rows})
-    names = list(dict.fromkeys(variant_name(r) for r in rows))
-    fig, ax = plt.subplots(figsize=(9, 4))
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        ys = [next(r["tbps"] for r in rows if r["batch"] == b and variant_name(r) == name)
-              for b in batches]
-        ax.bar([j + i * width for j in range(len(batches))], ys, width, label=name)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))],
-                  [f"batch {b}" for b in batches])
-    ax.set_ylabel("K/V bytes read / time (TB/s)")
-    ax.axhline(HBM_TBPS, ls="--", color="gray", label="HBM peak")
-    ax.legend(fontsize=7, ncol=2)
-    ax.set_title(title, fontsize=9)
+    cases = best_by_case(rows)
+    stages = list(dict.fromkeys(c["stage"] for c in cases))
+    fig, axes = plt.subplots(1, len(stages), figsize=(5.5 * len(stages), 4), squeeze=False)
+    for ax, stage in zip(axes[0], stages):
+        mine = [c for c in cases if c["stage"] == stage]
+        xs = range(len(mine))
+        ax.bar([x - 0.2 for x in xs], [c["default_tbps"] or 0 for c in mine], 0.4,
+               label="default")
+        bars = ax.bar([x + 0.2 for x in xs], [c["best_tbps"] for c in mine], 0.4,
+                      label="fastest variant")
+        for bar, c in zip(bars, mine):
+            ax.annotate(c["best"], (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=6, rotation=90)
+        ax.set_xticks(list(xs), [f"batch {c['batch']}" for c in mine])
+        ax.axhline(HBM_TBPS, ls="--", color="gray", label="HBM peak")
+        ax.set_ylabel("bytes floor / time (TB/s)")
+        ax.set_title(stage, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -147,12 +260,16 @@ def main(argv: list[str] | None = None) -> int:
                 config=dict(q_heads=32, kv_heads=8, head_dim=128, dtype="bf16",
                             selected=args.selected, block_size=args.block_size,
                             pool_tokens=args.pool_tokens, iters=args.iters,
+                            context=args.context, timing="CUDA graph, L2 flushed",
                             selection="half the tokens of selected/(block_size/2) blocks"),
-                failures=result["failures"])
+                best=best_by_case(result["rows"]), failures=result["failures"])
     write_results(path, result["rows"], meta)
     plot(result["rows"], path[:-5] + ".png",
-         f"{meta['gpu']}: sparse decode attention, one layer, Qwen3-8B heads, "
-         f"{args.selected} slots per kv head")
+         f"{meta['gpu']}: one layer, Qwen3-8B heads, {args.selected} slots per kv head, "
+         f"{args.block_size}-token blocks of {args.context}-token requests")
+    for case in meta["best"]:
+        print(f"{case['stage']} B={case['batch']}: default {case['default_ms']}, fastest "
+              f"{case['best']} {case['best_ms']:.4f} ms")
     print(f"wrote {path}; {'checks passed' if not result['failures'] else result['failures']}")
     return 1 if result["failures"] else 0
 

@@ -72,6 +72,7 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("gemm", r"(?i)gemm|cutlass|nvjet|cublas|sm90_xmma|matmul"),
 )
 _COMPILED = [(name, re.compile(pattern)) for name, pattern in CATEGORIES]
+OTHER_KERNELS = 8  # the longest uncategorised kernels a profile names
 
 
 def category(kernel_name: str) -> str:
@@ -112,14 +113,19 @@ def summarize_trace(events: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     busy = _union_ms((e["ts"], e["ts"] + e["dur"]) for e in by_stream[compute]) / steps
     side = sum(e["dur"] for s, es in by_stream.items() if s != compute for e in es) / 1e3 / steps
     cats: dict[str, float] = {}
+    others: dict[str, float] = {}  # what "other" is made of, by kernel name
     for e in kernels:
         c = category(e["name"])
         cats[c] = cats.get(c, 0.0) + e["dur"] / 1e3 / steps
+        if c == "other":
+            others[e["name"]] = others.get(e["name"], 0.0) + e["dur"] / 1e3 / steps
     return {"steps_in_trace": steps, "step_ms": round(step_ms, 4),
             "compute_busy_ms": round(busy, 4),
             "idle_ms": round(step_ms - busy, 4), "side_stream_ms": round(side, 4),
             "kernels_per_step": round(len(kernels) / steps, 1),
-            "categories": {k: round(v, 4) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])}}
+            "categories": {k: round(v, 4) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+            "top_other_kernels": {k[:120]: round(v, 4) for k, v in
+                                  sorted(others.items(), key=lambda kv: -kv[1])[:OTHER_KERNELS]}}
 
 
 def read_trace(trace_dir: str) -> list[dict[str, Any]]:

@@ -166,6 +166,8 @@ def quest_block_scores_batched(
     out: Tensor | None = None,
     precision: str | None = None,
     block_nb: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> Tensor:
     """Quest block scores of every request of a decode batch: float32 ``[B, Hkv, max_blocks]``.
 
@@ -183,7 +185,9 @@ def quest_block_scores_batched(
     summaries share a 16-bit dtype (the block scores as GEMMs: measured 5-15% faster per decode
     step at 128k, see benchmarks/results/operator_h200*.json), otherwise "fma" for groups
     smaller than 8 query heads of at most 256 dims and "ieee" for the others. ``block_nb``: blocks per program
-    (default: 64 for 2-byte summaries with "fma"/"tc", otherwise 32).
+    (default: 64 for 2-byte summaries with "fma"/"tc", otherwise 32); ``num_warps`` /
+    ``num_stages``: the launch's (default: 4 warps for "tc" or small tiles, else 8; Triton's
+    default stages).
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = kmin.shape[1]
@@ -250,7 +254,8 @@ def quest_block_scores_batched(
         BLOCK_NB=block_nb,
         PRECISION=precision,
         INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=4 if precision == "tc" or block_nb * block_d < 4096 else 8,
+        num_warps=num_warps or (4 if precision == "tc" or block_nb * block_d < 4096 else 8),
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
     return out
 

@@ -46,10 +46,13 @@ _ACC_ELEMENTS = 8192
 # Value tiles at least this wide (MLA's 512-dim latent) are gathered 32 slots at a time.
 _WIDE_DV = 512
 # Launch defaults (benchmarks/bench_sparse_attention.py): programs per SM that the split count
-# aims for, V gathered beside K, tiles of padding only skipped by a branch.
+# aims for, V gathered beside K, tiles of padding only skipped by a branch, warps and software
+# pipeline stages of a stage-1 program.
 PROGRAMS_PER_SM = 2
 DEFAULT_EARLY_V = False
 DEFAULT_SKIP_PAD_TILES = True
+DEFAULT_NUM_WARPS = 4
+DEFAULT_NUM_STAGES = 2
 
 
 def head_dim_tiling(head_dim: int) -> tuple[int, int]:
@@ -277,11 +280,11 @@ def _sparse_attn_merge_kernel(
 
 
 def default_num_splits(batch: int, num_kv_heads: int, num_selected: int, device=None,
-                       programs_per_sm: int | None = None) -> int:
+                       programs_per_sm: int | None = None, block_n: int = _BLOCK_N) -> int:
     """Static split count: enough (request, kv head, split) programs to fill the GPU
-    ``programs_per_sm`` times (default :data:`PROGRAMS_PER_SM`), each with at least one BLOCK_N
-    tile. Depends only on shapes (CUDA-graph safe)."""
-    max_splits = max(1, triton.cdiv(num_selected, _BLOCK_N))
+    ``programs_per_sm`` times (default :data:`PROGRAMS_PER_SM`), each with at least one
+    ``block_n`` tile. Depends only on shapes (CUDA-graph safe)."""
+    max_splits = max(1, triton.cdiv(num_selected, block_n))
     if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
@@ -292,10 +295,15 @@ def default_num_splits(batch: int, num_kv_heads: int, num_selected: int, device=
 
 
 
-def split_layout(num_selected: int, num_splits: int) -> tuple[int, int]:
+def tile_slots(num_selected: int, block_n: int = _BLOCK_N) -> int:
+    """Selected slots per stage-1 tile: ``block_n``, or less for a short selection."""
+    return min(block_n, max(16, triton.next_power_of_2(num_selected)))
+
+
+def split_layout(num_selected: int, num_splits: int, block_n: int = _BLOCK_N) -> tuple[int, int]:
     """(chunk, splits actually used): the chunk is a multiple of the tile size and every
     split gets a non-empty range of the K selected slots."""
-    block_n = min(_BLOCK_N, max(16, triton.next_power_of_2(num_selected)))
+    block_n = tile_slots(num_selected, block_n)
     chunk = triton.cdiv(triton.cdiv(num_selected, max(1, num_splits)), block_n) * block_n
     return chunk, triton.cdiv(num_selected, chunk)
 
@@ -313,6 +321,9 @@ def sparse_attention_batched(
     partial_lse: Tensor | None = None,
     early_v: bool | None = None,
     skip_pad_tiles: bool | None = None,
+    block_n: int = _BLOCK_N,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    num_stages: int = DEFAULT_NUM_STAGES,
 ) -> tuple[Tensor, Tensor]:
     """Attention of each query head over its kv head's selected slots.
 
@@ -324,7 +335,8 @@ def sparse_attention_batched(
     scratch; pass preallocated ones for CUDA graphs. ``early_v`` (default
     :data:`DEFAULT_EARLY_V`): gather a tile's V rows beside its K rows instead of after the
     softmax; ``skip_pad_tiles`` (default :data:`DEFAULT_SKIP_PAD_TILES`): branch over tiles of
-    padding only instead of running them masked. Neither changes the result.
+    padding only instead of running them masked; ``block_n`` (slots per tile, a power of two
+    >= 16), ``num_warps``, ``num_stages``: stage 1's launch. None of them changes the result.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, head_dim_v = k_buffer.shape[1], v_buffer.shape[2]
@@ -344,8 +356,8 @@ def sparse_attention_batched(
     if selected_slots.stride(2) != 1:
         selected_slots = selected_slots.contiguous()
     if num_splits is None:
-        num_splits = default_num_splits(batch, num_kv_heads, num_sel, q.device)
-    chunk, splits = split_layout(max(num_sel, 1), num_splits)
+        num_splits = default_num_splits(batch, num_kv_heads, num_sel, q.device, block_n=block_n)
+    chunk, splits = split_layout(max(num_sel, 1), num_splits, block_n)
     device = q.device
     if out is None:
         out = torch.empty(batch, num_q_heads, head_dim_v, dtype=out_dtype, device=device)
@@ -362,7 +374,7 @@ def sparse_attention_batched(
     if batch == 0:
         return out, lse
 
-    block_n = min(_BLOCK_N, max(16, triton.next_power_of_2(max(num_sel, 1))))
+    block_n = tile_slots(max(num_sel, 1), block_n)
     block_d, d_chunks = head_dim_tiling(head_dim)
     block_dv = max(16, triton.next_power_of_2(head_dim_v))
     if block_dv >= _WIDE_DV:
@@ -414,8 +426,8 @@ def sparse_attention_batched(
         DOT_F32=dot_f32,
         EARLY_V=DEFAULT_EARLY_V if early_v is None else early_v,
         SKIP_PAD_TILES=DEFAULT_SKIP_PAD_TILES if skip_pad_tiles is None else skip_pad_tiles,
-        num_warps=4,
-        num_stages=2,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     _sparse_attn_merge_kernel[(batch, num_q_heads)](
         partial_o,

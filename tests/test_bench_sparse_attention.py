@@ -4,7 +4,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_sparse_attention import plot, two_level_selection
+from benchmarks.bench_sparse_attention import (
+    attention_variants,
+    best_by_case,
+    parse_args,
+    plot,
+    two_level_selection,
+)
 
 
 def test_selection_is_half_of_each_kept_block_distinct_and_inside_its_request():
@@ -22,8 +28,35 @@ def test_selection_is_half_of_each_kept_block_distinct_and_inside_its_request():
             assert pages.numel() == selected // (bs // 2) and (counts == bs // 2).all()
 
 
-def test_plot_writes_one_bar_per_variant(tmp_path: Path):
-    rows = [dict(batch=b, programs_per_sm=p, early_v=e, skip_pad_tiles=True, tbps=1.0 + p)
-            for b in (4, 17) for p in (2, 8) for e in (False, True)]
-    plot(rows, str(tmp_path / "p.png"), "t")
+def _rows() -> list[dict]:
+    rows = []
+    for stage in ("attention", "block_scores"):
+        for b in (4, 17):
+            for i, ms in enumerate((3.0, 1.0, 2.0)):
+                var = (dict(programs_per_sm=2 + i, block_n=64, num_warps=4, num_stages=2,
+                            early_v=False) if stage == "attention"
+                       else dict(block_nb=32 << i, num_warps=4, num_stages=2))
+                rows.append(dict(stage=stage, batch=b, **var, ms=ms * b, tbps=1 / ms,
+                                 is_default=i == 0))
+    return rows
+
+
+def test_best_by_case_names_the_fastest_variant_and_its_gain_over_the_default():
+    cases = best_by_case(_rows())
+    assert [(c["stage"], c["batch"]) for c in cases] == [
+        ("attention", 4), ("attention", 17), ("block_scores", 4), ("block_scores", 17)]
+    att = cases[0]
+    assert att["best"].startswith("3/SM") and att["best_ms"] == 4.0 and att["gain"] == 3.0
+    assert cases[2]["best"].startswith("nb64")
+
+
+def test_variant_grid_is_the_product_of_the_options():
+    args = parse_args(["--programs-per-sm", "2,8", "--block-n", "64", "--warps", "4,8",
+                       "--num-stages", "2", "--early-v", "0,1"])
+    grid = attention_variants(args)
+    assert len(grid) == 8 and len({tuple(sorted(v.items())) for v in grid}) == 8
+
+
+def test_plot_writes_one_panel_per_stage(tmp_path: Path):
+    plot(_rows(), str(tmp_path / "p.png"), "t")
     assert (tmp_path / "p.png").stat().st_size > 0

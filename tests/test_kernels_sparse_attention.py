@@ -90,6 +90,27 @@ def test_launch_variants_match_reference(early_v, skip_pad_tiles):
            skip_pad_tiles=skip_pad_tiles)
 
 
+@pytest.mark.parametrize("block_n,num_splits", [(16, 3), (32, 2)])
+def test_tile_size_and_split_count_do_not_change_the_result(block_n, num_splits):
+    """Tiles of 16 or 32 slots (the default is 64) over splits whose chunk is then a multiple
+    of the smaller tile: the same attention."""
+    gen = case_generator("attn-tiles", block_n, num_splits)
+    hq, hkv, d, bs = 4, 2, 32, 4
+    pb = make_paged_batch(gen, [50, 100], hkv, d, bs, dtype=torch.bfloat16, device=DEVICE,
+                          summary_chunks=0)
+    q = random_values(gen, 2, hq, d, dtype=torch.bfloat16, device=DEVICE)
+    sel = _random_selection(gen, pb, 80).to(DEVICE)
+    _check(pb, q, sel, d ** -0.5, num_splits, torch.bfloat16, block_n=block_n)
+
+
+def test_split_layout_follows_the_tile_size():
+    from sglang_ext.kernels.sparse_attention import split_layout
+
+    assert split_layout(2048, 4) == (512, 4)
+    assert split_layout(2048, 48, block_n=32) == (64, 32)  # 48 asked: chunks of 2 tiles of 32
+    assert split_layout(2048, 48) == (64, 32)  # 64-slot tiles: at most 32 splits
+
+
 def test_split_count_aims_at_programs_per_sm():
     from sglang_ext.kernels.sparse_attention import default_num_splits
 

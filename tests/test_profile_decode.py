@@ -42,6 +42,12 @@ def test_a_two_step_window_splits_into_busy_idle_and_side_stream_time() -> None:
     assert row["side_stream_ms"] == 1.5
     assert row["categories"] == {"gemm": 3.0, "tier_gather": 1.5, "sparse_attention": 1.25}
     assert row["steps_in_trace"] == 2
+    assert row["top_other_kernels"] == {}
+    # uncategorised kernels are named, longest first
+    norms = [_kernel("rms_norm_kernel", 4000, 600, 7), _kernel("rope_kernel", 4600, 200, 7),
+             _kernel("rms_norm_kernel", 5000, 600, 7)]
+    assert summarize_trace(events + norms, steps=2)["top_other_kernels"] == {
+        "rms_norm_kernel": 0.6, "rope_kernel": 0.1}
     # under CUDA graphs each step is one cudaGraphLaunch: those count the steps
     launches = [{"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": t, "dur": 5}
                 for t in (0, 2500, 6000, 8000)]
