@@ -69,6 +69,8 @@ CONFIGS: dict[str, list[str]] = {
     "sglang_ext_fi": ["--attention-backend", "sglang_ext", "--sparse-budget", "2048",
                       "--sparse-block-size", "16", "--sparse-dense-backend", "flashinfer"],
 }
+# AsyncTLS's block filter one step ahead on a side stream, beside the GEMMs
+CONFIGS["sglang_ext_fi_async"] = CONFIGS["sglang_ext_fi"] + ["--sparse-block-filter", "async"]
 # the tier with FlashInfer's prefill (SGLang's triton extend takes ~40 s per 128k prompt)
 CONFIGS["sglang_ext_tier_fi"] = CONFIGS["sglang_ext_tier"] + ["--sparse-dense-backend", "flashinfer"]
 

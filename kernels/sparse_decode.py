@@ -416,6 +416,7 @@ def select_slots_batched(
     row_ks: tuple[Tensor | None, Tensor | None] | None = None,
     locality: LocalityLayerState | None = None,
     on_token_scores: Callable[[Tensor, Tensor], None] | None = None,
+    candidates: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Step 1-2 of the pipeline: the ``budget`` KV slots (int32 ``[B, Hkv, budget]``, ``-1``
     padded) each (request, kv head) attends; with ``return_positions`` also their positions.
@@ -444,7 +445,13 @@ def select_slots_batched(
     ``on_token_scores(scores, cand)`` (two_level, eager only) may change the token scores
     ``[B, Hkv, C*bs]`` of the candidates ``cand`` ``[B, Hkv, C]`` in place before the token
     top-k: cooperative attention scores there the candidate blocks the CPU attends from host
-    memory (not resident, so ``page_map`` scored them ``-inf``)."""
+    memory (not resident, so ``page_map`` scored them ``-inf``).
+
+    ``candidates`` (int32 ``[B, Hkv, k]``, k = the block top-k's: :func:`select_blocks_batched`'s
+    result, possibly of an earlier query) replaces the block filter: its scores and top-k are not
+    run. The asynchronous block filter (:mod:`sglang_ext.attention.async_block_filter`) passes
+    the blocks chosen at the previous step. Block ids outside this step's middle (or ``-1``)
+    select nothing. Not with the tier, the locality constraint or ``row_ks``."""
     batch, num_q_heads, _ = q.shape
     num_kv_heads = k_buffer.shape[1]
     if workspace is None:
@@ -466,6 +473,13 @@ def select_slots_batched(
             channels = channels.contiguous()
 
     tiered = page_map is not None or on_blocks is not None or attend_blocks is not None
+    if candidates is not None:
+        if tiered or locality is not None or row_ks is not None:
+            raise ValueError("given candidates do not combine with the tier, the locality "
+                             "constraint or per-request top-k sizes")
+        if candidates.shape != (batch, num_kv_heads, ws.k_blocks) or not ws.k_blocks:
+            raise ValueError(f"candidates {tuple(candidates.shape)} must be [B, Hkv, "
+                             f"{ws.k_blocks}] of a block-filter method (quest, two_level)")
     if tiered and ws.mode not in (_MODE_BLOCKS, _MODE_CAND_TOKENS):
         raise ValueError(f"the CPU tier needs a block filter (quest or two_level), not {params.method}")
     top, cand = ws.slots, ws.slots  # dummies for unused pointers
@@ -487,7 +501,9 @@ def select_slots_batched(
         return topk_masked(scores, k, out=out, impl=ws.topk_impl,
                            radix_bits=ws.topk_radix_bits, k_rows=k_rows, n_rows=n_rows)
 
-    if ws.k_blocks:
+    if candidates is not None:
+        top = cand = candidates
+    elif ws.k_blocks:
         if kmin is None or kmax is None:
             raise ValueError(f"{params.method} needs the block summaries kmin/kmax")
         scores = quest_block_scores_batched(
@@ -565,6 +581,34 @@ def select_slots_batched(
     return (slots, positions) if return_positions else slots
 
 
+def select_blocks_batched(
+    q: Tensor,
+    kmin: Tensor,
+    kmax: Tensor,
+    req_to_token: Tensor,
+    req_pool_indices: Tensor,
+    seq_lens: Tensor,
+    params: SelectionParams,
+    workspace: SparseDecodeWorkspace,
+) -> Tensor:
+    """The block filter alone (quest / two_level): the top ``workspace.k_blocks`` blocks by
+    Quest bound of every (request, kv head), int32 ``[B, Hkv, k]`` (a view of the workspace's
+    ``top_blocks``; ``-1`` past a short middle). What :func:`select_slots_batched` takes as
+    ``candidates``: the asynchronous block filter runs it on a side stream for the next step."""
+    ws = workspace
+    batch = q.shape[0]
+    if not ws.k_blocks or params != ws.params or batch > ws.max_batch:
+        raise ValueError("select_blocks_batched needs a block-filter method (quest, two_level) "
+                         "and a workspace that fits the batch and params")
+    scores = quest_block_scores_batched(
+        q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, params.block_size,
+        params.sink, params.window, ws.max_blocks, out=ws.block_scores[:batch],
+        precision=ws.block_score_precision,
+    )
+    return topk_masked(scores, ws.k_blocks, out=ws.top_blocks[:batch], impl=ws.topk_impl,
+                       radix_bits=ws.topk_radix_bits)
+
+
 def sparse_decode_batched(
     q: Tensor,
     k_buffer: Tensor,
@@ -585,6 +629,7 @@ def sparse_decode_batched(
     labels: Tensor | None = None,
     row_ks: tuple[Tensor | None, Tensor | None] | None = None,
     locality: LocalityLayerState | None = None,
+    candidates: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """One sparse decode step for a batch: ``out [B, Hq, Dv]`` in q's dtype (and the float32
     LSE ``[B, Hq]`` with ``return_lse``).
@@ -598,7 +643,8 @@ def sparse_decode_batched(
     ``page_map``/``on_blocks``/``attend_blocks``: the CPU tier's hooks, see
     :func:`select_slots_batched` (the attention then reads the per-head device slots).
     ``labels``: the layer's label cache (:mod:`label_cache`), ``row_ks``: per-request top-k
-    sizes, ``locality``: the locality constraint's state; see :func:`select_slots_batched`.
+    sizes, ``locality``: the locality constraint's state, ``candidates``: the block filter's
+    result given; see :func:`select_slots_batched`.
     """
     batch, num_q_heads, _ = q.shape
     if workspace is None:
@@ -611,6 +657,7 @@ def sparse_decode_batched(
         q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, kmax, params,
         channels=channels, workspace=workspace, page_map=page_map, on_blocks=on_blocks,
         attend_blocks=attend_blocks, labels=labels, row_ks=row_ks, locality=locality,
+        candidates=candidates,
     )
     out, lse = sparse_attention_batched(
         q, k_buffer, v_buffer, slots, sm_scale,
@@ -631,10 +678,14 @@ def sparse_decode_batched_ref(
     params: SelectionParams,
     sm_scale: float,
     channels: Tensor | None = None,
+    block_queries: Tensor | None = None,
+    block_lens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """Per-request oracle: ``select_token_mask`` + ``sparse_attention_with_lse`` on the keys
     gathered in position order. Returns ``(out [B, Hq, Dv], lse [B, Hq], masks)`` with
-    ``masks[b]`` the bool ``[Hkv, L_b]`` selection."""
+    ``masks[b]`` the bool ``[Hkv, L_b]`` selection. ``block_queries`` ``[B, Hq, D]`` /
+    ``block_lens`` ``[B]``: the blocks were chosen by these queries at these lengths (the
+    asynchronous block filter, ``candidates``)."""
     batch, num_q_heads = q.shape[:2]
     out = torch.empty(batch, num_q_heads, v_buffer.shape[2], dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=q.device)
@@ -643,7 +694,11 @@ def sparse_decode_batched_ref(
         row, length = int(req_pool_indices[b]), int(seq_lens[b])
         slots = req_to_token[row, :length].long()
         keys, values = k_buffer[slots], v_buffer[slots]
-        mask = select_token_mask(q[b], keys, params, channels)
+        if block_queries is None:
+            mask = select_token_mask(q[b], keys, params, channels)
+        else:
+            mask = select_token_mask(q[b], keys, params, channels, block_query=block_queries[b],
+                                     block_length=int(block_lens[b]))
         out[b], lse[b] = sparse_attention_with_lse(q[b], keys, values, mask, sm_scale)
         masks.append(mask)
     return out, lse, masks

@@ -23,6 +23,7 @@ TIER_MODES = ("off", "sync", "async")
 TIER_METHODS = ("quest", "two_level")  # the tier fetches what a block filter chose
 DENSE_DECODE_MODES = ("sglang", "float32")  # the reference decode's dense rows
 ON_OFF = ("off", "on")
+BLOCK_FILTER_MODES = ("sync", "async")
 # The locality constraint's query-agnostic scores (selection/locality.py: SCORE_KINDS).
 EVICTION_SCORES = ("attention", "key_norm", "learned")
 ENV_CONFIG = "SGLANG_EXT_CONFIG"  # JSON fallback for sgl.Engine(...), which rejects unknown kwargs
@@ -60,6 +61,7 @@ class SparseConfig:
     head_policy: Optional[str] = None  # per-head policy file (selection/head_policy.py)
     cooperative: str = "off"  # Fluxion CPU-GPU cooperative attention of the sync tier: ON_OFF
     cooperative_threads: int = 0  # its CPU worker threads (0 = auto: cooperative_worker_threads)
+    block_filter: str = "sync"  # AsyncTLS's one-step-ahead block filter: see BLOCK_FILTER_MODES
 
     @property
     def keeps_label_cache(self) -> bool:
@@ -174,6 +176,13 @@ _FLAGS: tuple[tuple[str, str, str, str], ...] = (
      "tiered decode, instead of fetching them; the partial results are merged exactly by "
      "log-sum-exp. CPU-attended blocks and planned/skipped layers go to the tier stats log "
      "line and /metrics."),
+    ("block_filter", "--sparse-block-filter", "{" + ",".join(BLOCK_FILTER_MODES) + "}",
+     "When the block filter (Quest bounds over every block summary + block top-k) runs: sync "
+     "(in each layer, with this step's query) or async (AsyncTLS: with this step's query for "
+     "the next step, on a side stream beside the following layers' GEMMs; each step picks its "
+     "tokens, with its own query, inside the blocks chosen at the previous step, a request's "
+     "first step inside those its last prompt token chose). async needs the batched kernels "
+     "(CUDA), --sparse-method quest or two_level, and no tier, locality constraint or guard."),
     ("cooperative_threads", "--sparse-cooperative-threads", "THREADS",
      "CPU worker threads of --sparse-cooperative (0 = half of the cores this process may use, "
      "at least 1, at most 8)."),
@@ -322,6 +331,7 @@ def _validate(cfg: SparseConfig) -> None:
     if cfg.tier_timing == "on" and cfg.tier == "off":
         fail("tier_timing", "needs --sparse-tier sync or async (it times the tier's transfers)")
     _validate_cooperative(cfg, fail)
+    _validate_block_filter(cfg, fail)
     if cfg.guard_every < 0:
         fail("guard_every", "must be >= 0 (0 = off)")
     if not 0.0 < cfg.guard_recall < 1.0:
@@ -431,6 +441,22 @@ def locality_candidate_blocks(locality_blocks: int, budget: int, sink: int, wind
     accuracy suite it costs points at small budgets (README, NOSA locality)."""
     query_aware = max(budget - sink - window - locality_blocks * block_size, 0)
     return max(1, 2 * -(-query_aware // block_size))
+
+
+def _validate_block_filter(cfg: SparseConfig, fail: Any) -> None:
+    if cfg.block_filter not in BLOCK_FILTER_MODES:
+        fail("block_filter", f"must be one of {', '.join(BLOCK_FILTER_MODES)}")
+    if cfg.block_filter != "async":
+        return
+    if cfg.method not in TIER_METHODS:
+        fail("block_filter", "async needs a block filter (--sparse-method quest or two_level)")
+    if cfg.tier != "off":
+        fail("block_filter", "async does not combine with --sparse-tier (its async mode "
+                             "already attends the previous step's blocks)")
+    if cfg.locality_blocks > 0:
+        fail("block_filter", "async does not combine with --sparse-locality-blocks")
+    if cfg.guard_every > 0:
+        fail("block_filter", "async does not combine with --sparse-guard-every")
 
 
 def _validate_cooperative(cfg: SparseConfig, fail: Any) -> None:

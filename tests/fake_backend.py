@@ -31,3 +31,14 @@ class DecodeMode:
 
     def is_idle(self) -> bool:
         return False
+
+
+class ExtendMode:
+    def is_decode_or_idle(self) -> bool:
+        return False
+
+    def is_idle(self) -> bool:
+        return False
+
+    def is_decode(self) -> bool:
+        return False

@@ -29,22 +29,11 @@ from sglang_ext.config import build_config
 from sglang_ext.selection.calibrate import FORMAT as LABELS_FORMAT
 from sglang_ext.selection.mla import mla_sparse_decode
 
-from fake_backend import DecodeMode
+from fake_backend import DecodeMode, ExtendMode
 
 SMALL = dict(hq=4, rank=32, rope=16, qk_nope=24, v_head=16, page=4)
 DEEPSEEK_V2_LITE = dict(hq=16, rank=512, rope=64, qk_nope=128, v_head=128, page=32)
 STEPS = 4  # decode steps after the prefill
-
-
-class ExtendMode:
-    def is_decode_or_idle(self) -> bool:
-        return False
-
-    def is_idle(self) -> bool:
-        return False
-
-    def is_decode(self) -> bool:
-        return False
 
 
 class MhaPrefillDelegate:

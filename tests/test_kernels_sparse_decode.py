@@ -15,6 +15,7 @@ import pytest
 from sglang_ext.kernels.block_summary import update_block_summaries
 from sglang_ext.kernels.sparse_decode import (
     SparseDecodeWorkspace,
+    select_blocks_batched,
     select_slots_batched,
     sparse_decode_batched,
     sparse_decode_batched_ref,
@@ -44,26 +45,38 @@ def _poison(ws):
     return ws
 
 
-def _run_and_check(pb, q, params, channels, workspace=None, dtype=torch.bfloat16, max_diff=0):
+def _workspace(pb, q, params):
+    return SparseDecodeWorkspace(q.shape[0], q.shape[1], pb.k_buffer.shape[1],
+                                 pb.v_buffer.shape[2], params, pb.max_blocks, q.device, q.dtype)
+
+
+def _run_and_check(pb, q, params, channels, workspace=None, dtype=torch.bfloat16, max_diff=0,
+                   block_q=None):
     """Pipeline vs oracle on one batch. ``max_diff``: positions allowed to differ per
-    (request, kv head) (0 = exact sets; only the torch.topk path under near-ties needs more)."""
+    (request, kv head) (0 = exact sets; only the torch.topk path under near-ties needs more).
+    ``block_q``: the asynchronous block filter: the blocks are chosen by this query one step
+    earlier (at ``seq_lens - 1``) and passed as ``candidates``."""
     head_dim = q.shape[2]
     if workspace is None:
-        workspace = SparseDecodeWorkspace(q.shape[0], q.shape[1], pb.k_buffer.shape[1],
-                                          pb.v_buffer.shape[2], params, pb.max_blocks, q.device,
-                                          q.dtype)
+        workspace = _workspace(pb, q, params)
+    candidates = block_lens = None
+    if block_q is not None:
+        block_lens = pb.seq_lens - 1
+        candidates = select_blocks_batched(
+            block_q, pb.kmin, pb.kmax, pb.req_to_token, pb.req_pool_indices, block_lens,
+            params, _poison(_workspace(pb, q, params))).clone()
     _poison(workspace)
     sm_scale = head_dim ** -0.5
     args = (q, pb.k_buffer)
     tail = (pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.kmin, pb.kmax, params)
     slots, pos = select_slots_batched(*args, *tail, channels=channels, workspace=workspace,
-                                      return_positions=True)
+                                      return_positions=True, candidates=candidates)
     slots, pos = slots.clone(), pos.clone()
     out, lse = sparse_decode_batched(*args, pb.v_buffer, *tail, sm_scale, channels=channels,
-                                     workspace=workspace, return_lse=True)
+                                     workspace=workspace, return_lse=True, candidates=candidates)
     ref_out, ref_lse, masks = sparse_decode_batched_ref(
         q, pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, params,
-        sm_scale, channels,
+        sm_scale, channels, block_queries=block_q, block_lens=block_lens,
     )
     assert slots.shape == pos.shape == (q.shape[0], pb.k_buffer.shape[1], params.budget)
     assert (pos >= -1).all() and (slots >= -1).all(), "unwritten entries"
@@ -86,7 +99,7 @@ def _run_and_check(pb, q, params, channels, workspace=None, dtype=torch.bfloat16
     if max_diff == 0:
         torch.testing.assert_close(out.float(), ref_out.float(), **TOL[dtype])
         torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-3)
-    return out, lse
+    return out, lse, masks
 
 
 # Per case: (Hq, Hkv, head_dim, bs, sink, window, budget); budget - sink - window = n_sel.
@@ -115,6 +128,51 @@ def test_matches_reference(method, use_channels):
         q = random_values(gen, len(lens), hq, head_dim, dtype=dtype, device=DEVICE)
         channels = _channels(gen, hkv, head_dim, 5, DEVICE) if use_channels else None
         _run_and_check(pb, q, params, channels, dtype=dtype)
+
+
+@pytest.mark.parametrize("method", ["quest", "two_level"])
+def test_blocks_chosen_a_step_earlier_match_reference(method):
+    """The asynchronous block filter: blocks ranked by the previous step's query over the
+    previous step's middle, tokens (two_level) by this step's query; lengths where the middle
+    just gained a block the earlier filter never saw (L - window - 1 on a block boundary)."""
+    hq, hkv, d, bs, sink, window, budget = 6, 2, 32, 4, 3, 8, 27
+    n_sel = budget - sink - window
+    params = SelectionParams(method, budget, bs, 2 * n_sel // bs, sink, window)
+    lens = [budget // 2, budget + 1, 8 * bs + window + 1, 97, 130]
+    gen = case_generator("async-blocks", method)
+    pb = make_paged_batch(gen, lens, hkv, d, bs, dtype=torch.float32, device=DEVICE)
+    q = random_values(gen, len(lens), hq, d, device=DEVICE)
+    q_prev = random_values(gen, len(lens), hq, d, device=DEVICE)
+    channels = _channels(gen, hkv, d, 5, DEVICE)
+    _, _, stale = _run_and_check(pb, q, params, channels, dtype=torch.float32, block_q=q_prev)
+    # the earlier query chose other tokens than this step's would: the check can tell them apart
+    _, _, fresh = _run_and_check(pb, q, params, channels, dtype=torch.float32)
+    assert any(not torch.equal(a, b) for a, b in zip(stale, fresh))
+    # this step's own query as the earlier one at this length: the same as the in-line filter
+    ws = _workspace(pb, q, params)
+    same = select_blocks_batched(q, pb.kmin, pb.kmax, pb.req_to_token, pb.req_pool_indices,
+                                 pb.seq_lens, params, ws).clone()
+    tail = (pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.kmin, pb.kmax, params)
+    given = select_slots_batched(q, pb.k_buffer, *tail, channels=channels,
+                                 workspace=_workspace(pb, q, params), candidates=same).clone()
+    inline = select_slots_batched(q, pb.k_buffer, *tail, channels=channels, workspace=ws)
+    assert torch.equal(given, inline)
+
+
+def test_given_candidates_are_checked():
+    params = SelectionParams("two_level", 27, 4, 8, 3, 8)
+    gen = case_generator("async-shape")
+    pb = make_paged_batch(gen, [60, 70], 2, 16, 4, device=DEVICE)
+    q = random_values(gen, 2, 4, 16, device=DEVICE)
+    tail = (pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.kmin, pb.kmax, params)
+    bad = torch.zeros(2, 2, 5, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="candidates"):
+        select_slots_batched(q, pb.k_buffer, *tail, workspace=_workspace(pb, q, params),
+                             candidates=bad)
+    ds = SelectionParams("ds", 27, 4, 8, 3, 8)
+    with pytest.raises(ValueError, match="block-filter"):
+        select_blocks_batched(q, pb.kmin, pb.kmax, pb.req_to_token, pb.req_pool_indices,
+                              pb.seq_lens, ds, _workspace(pb, q, ds))
 
 
 def test_fp32_ties_exact():

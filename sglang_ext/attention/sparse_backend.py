@@ -208,6 +208,10 @@ class SparseDecodeBackend(AttentionBackend):
                 self._allocate_guard_state()
             if config.locality_blocks > 0:
                 self._allocate_locality_state()
+        # AsyncTLS's block filter one step ahead on a side stream (--sparse-block-filter async)
+        self.block_filter: Optional[Any] = None
+        if config.block_filter == "async":
+            self._allocate_block_filter()
 
     # ------------------------------------------------------------------ set-up
 
@@ -258,6 +262,31 @@ class SparseDecodeBackend(AttentionBackend):
             head_dim=pool.get_key_buffer(pool.start_layer).shape[-1],
             min_len=self.guard.max_budget, max_context=req_to_token.shape[1], device=dev,
         )
+
+    def _allocate_block_filter(self) -> None:
+        from sglang_ext.attention.async_block_filter import AsyncBlockFilter, unsupported_reason
+
+        reason = unsupported_reason(self.impl, self.kv_lora_rank is not None)
+        if reason is not None:
+            raise ValueError(f"sglang_ext: --sparse-block-filter async {reason}")
+        pool = self.token_to_kv_pool
+        _, num_kv_heads, head_dim = pool.get_key_buffer(pool.start_layer).shape
+        rows = self.req_to_token_pool.req_to_token.shape[0]
+        # Sized for every request row: a decode batch never holds more requests than rows.
+        self.block_filter = AsyncBlockFilter(
+            num_layers=pool.end_layer - pool.start_layer, rows=rows, num_kv_heads=num_kv_heads,
+            k_blocks=self._ensure_workspace(1).k_blocks, max_batch=rows,
+            num_q_heads=self._rank_q_heads(), head_dim=head_dim, device=self.device,
+            dtype=self.model_runner.dtype)
+
+    def _select_blocks(self, layer_index: int, forward_batch: ForwardBatch, batch: int) -> Any:
+        """The layer's block filter for the batch: q [B, Hq, D] -> its blocks [B, Hkv, k]."""
+        from sglang_ext.kernels.sparse_decode import select_blocks_batched
+
+        args = (self.summaries.kmin[layer_index], self.summaries.kmax[layer_index],
+                self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
+                forward_batch.seq_lens, self.kernel_params, self._ensure_workspace(batch))
+        return lambda q: select_blocks_batched(q, *args)
 
     def _allocate_locality_state(self) -> None:
         """Device state of the locality constraint for the batched decode: per request row the
@@ -570,6 +599,15 @@ class SparseDecodeBackend(AttentionBackend):
             )
         if self.summaries is not None and self._wrote_kv(k, save_kv_cache):
             self._update_summaries(layer, k, v, forward_batch)
+        if self.block_filter is not None and forward_batch.extend_seq_lens is not None:
+            from sglang_ext.attention.async_block_filter import last_token_queries
+
+            q_last = last_token_queries(q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
+                                        forward_batch.extend_seq_lens)
+            index = self._layer_index(layer)
+            self.block_filter.choose_after_extend(
+                index, q_last, forward_batch.req_pool_indices,
+                self._select_blocks(index, forward_batch, q_last.shape[0]))
         return out
 
     def _has_one_token_extends(self, layer: RadixAttention, forward_batch: ForwardBatch) -> bool:
@@ -714,8 +752,16 @@ class SparseDecodeBackend(AttentionBackend):
             return_lse=guard,
             row_ks=self._guard_row_ks if guard else None,
             locality=None if self.locality is None else self.locality.layer(layer_index),
+            candidates=(None if self.block_filter is None else
+                        self.block_filter.candidates(layer_index, forward_batch.req_pool_indices)),
             **tier_args,
         )
+        if self.block_filter is not None:
+            self.block_filter.choose_next(layer_index, q, forward_batch.req_pool_indices,
+                                          self._select_blocks(layer_index, forward_batch,
+                                                              q.shape[0]))
+            if layer.layer_id == self.token_to_kv_pool.end_layer - 1:
+                self.block_filter.finish_step()
         if guard:
             out, lse = out
             self._guard_probe.run(self._guard_ctrl, q, k_buffer, req_to_token,

@@ -175,8 +175,14 @@ def _select_middle(
     hi: int,
     channels: Tensor | None,
     values: Tensor | None = None,
+    block_query: Tensor | None = None,
+    block_hi: int | None = None,
 ) -> Tensor:
-    """Bool ``[Hkv, hi - lo]``: the positions picked from the middle ``M = [lo, hi)``."""
+    """Bool ``[Hkv, hi - lo]``: the positions picked from the middle ``M = [lo, hi)``.
+
+    ``block_query`` / ``block_hi`` (quest, two_level): the blocks are ranked by this query over
+    the middle ``[lo, block_hi)`` of an earlier step (the asynchronous block filter: the
+    previous step's query and middle); blocks past it are not kept."""
     n_sel = params.budget - params.sink - params.window
     if n_sel == 0:
         return torch.zeros(keys.shape[1], hi - lo, dtype=torch.bool, device=keys.device)
@@ -184,17 +190,27 @@ def _select_middle(
         return _top_k_mask(label_token_scores(q, keys[lo:hi], channels), n_sel)
 
     bs = params.block_size
-    first, last = lo // bs, (hi - 1) // bs  # candidate blocks: those overlapping M
-    num_cand = last - first + 1
-    # The slice starts on a block boundary, so its blocks are exactly the candidate blocks,
-    # summarised over all their positions (sink/window ones included), like the KV pool pages.
-    block_scores = quest_block_scores(q, *block_minmax(keys[first * bs : (last + 1) * bs], bs))
-    if params.method == "quest":
-        num_kept = n_sel // bs  # whole blocks only, so the budget is never exceeded
-    else:
-        num_kept = min(params.candidate_blocks, num_cand)
+    block_q = q if block_query is None else block_query
+    block_hi = hi if block_hi is None else block_hi
+    first, last = lo // bs, (block_hi - 1) // bs  # candidate blocks: those overlapping M
+    num_cand = max(last - first + 1, 0)
     block_of_pos = torch.arange(lo, hi, device=keys.device) // bs - first
-    in_kept = _top_k_mask(block_scores, num_kept)[:, block_of_pos]  # [Hkv, hi - lo]
+    if num_cand:
+        # The slice starts on a block boundary, so its blocks are exactly the candidate blocks,
+        # summarised over all their positions (sink/window ones included), like the KV pool
+        # pages.
+        block_scores = quest_block_scores(block_q,
+                                          *block_minmax(keys[first * bs : (last + 1) * bs], bs))
+        if params.method == "quest":
+            num_kept = n_sel // bs  # whole blocks only, so the budget is never exceeded
+        else:
+            num_kept = min(params.candidate_blocks, num_cand)
+        kept = _top_k_mask(block_scores, num_kept)
+    else:
+        kept = torch.zeros(keys.shape[1], 0, dtype=torch.bool, device=keys.device)
+    # positions in blocks the filter did not see (past block_hi) are not kept
+    kept = torch.cat([kept, kept.new_zeros(kept.shape[0], 1)], dim=1)
+    in_kept = kept[:, block_of_pos.clamp(max=num_cand)]  # [Hkv, hi - lo]
     if params.method == "quest":
         return in_kept
 
@@ -225,10 +241,14 @@ def retrieval_params(params: SelectionParams, num_kv_heads: int, num_retrieval: 
 def select_token_mask(
     q: Tensor, keys: Tensor, params: SelectionParams, channels: Tensor | None = None,
     values: Tensor | None = None, streaming: Tensor | None = None,
+    block_query: Tensor | None = None, block_length: int | None = None,
 ) -> Tensor:
     """Bool ``[Hkv, L]``: the positions each kv head attends. ``values`` are needed by output-
     aware scoring; ``streaming`` (bool ``[Hkv]``, with ``params.head_policy``) marks the kv
-    heads that attend their sink and window only: they are not scored."""
+    heads that attend their sink and window only: they are not scored. ``block_query`` and
+    ``block_length`` (quest, two_level): the block filter ran at an earlier step, with that
+    step's query and length (AsyncTLS's asynchronous filter; the same summaries as long as
+    ``window >= block_size``, so that the blocks it saw were complete then)."""
     length, num_kv_heads = keys.shape[:2]
     if length <= params.budget:
         return torch.ones(num_kv_heads, length, dtype=torch.bool, device=keys.device)
@@ -246,7 +266,11 @@ def select_token_mask(
                 lo, hi, None if channels is None else channels[scored],
                 None if values is None else values[:, scored])
         return mask
-    mask[:, lo:hi] = _select_middle(q, keys, params, lo, hi, channels, values)
+    if block_query is not None and params.method not in ("quest", "two_level"):
+        raise ValueError("block_query needs a block filter (quest, two_level)")
+    block_hi = None if block_length is None else block_length - params.window
+    mask[:, lo:hi] = _select_middle(q, keys, params, lo, hi, channels, values, block_query,
+                                    block_hi)
     return mask
 
 
