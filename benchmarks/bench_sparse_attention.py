@@ -127,11 +127,12 @@ def run_attention(torch, args, timer, failures: list[str]) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(args.pool_tokens, HKV, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     v = torch.randn_like(k)
-    default = dict(programs_per_sm=sa.PROGRAMS_PER_SM, block_n=64,
-                   num_warps=sa.DEFAULT_NUM_WARPS, num_stages=sa.DEFAULT_NUM_STAGES,
-                   early_v=sa.DEFAULT_EARLY_V)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for batch in _ints(args.batches):
+        default = dict(programs_per_sm=sa.default_programs_per_sm(batch * HKV, sms), block_n=64,
+                       num_warps=sa.DEFAULT_NUM_WARPS, num_stages=sa.DEFAULT_NUM_STAGES,
+                       early_v=sa.DEFAULT_EARLY_V)
         q = torch.randn(batch, HQ, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         sel = two_level_selection(torch, batch, HKV, args.selected, args.block_size,
                                   args.pool_tokens, gen).cuda()

@@ -49,6 +49,12 @@ _WIDE_DV = 512
 # aims for, V gathered beside K, tiles of padding only skipped by a branch, warps and software
 # pipeline stages of a stage-1 program.
 PROGRAMS_PER_SM = 2
+# A batch with at most FEW_ROWS_PER_SM (request, kv head) rows per SM aims for more splits: at
+# 4 and 17 requests x 8 kv heads on 132 SMs, 8 programs per SM took 21.5 / 64.9 us per layer
+# against 2's 24.9 / 74.0; at 30 requests 2 stays faster (86.1 against 94.3 us;
+# benchmarks/results/sparse_attention_h200.json, CUDA graphs, L2 flushed).
+FEW_ROWS_PER_SM = 1.5
+FEW_ROWS_PROGRAMS_PER_SM = 8
 DEFAULT_EARLY_V = False
 DEFAULT_SKIP_PAD_TILES = True
 DEFAULT_NUM_WARPS = 4
@@ -282,17 +288,23 @@ def _sparse_attn_merge_kernel(
 def default_num_splits(batch: int, num_kv_heads: int, num_selected: int, device=None,
                        programs_per_sm: int | None = None, block_n: int = _BLOCK_N) -> int:
     """Static split count: enough (request, kv head, split) programs to fill the GPU
-    ``programs_per_sm`` times (default :data:`PROGRAMS_PER_SM`), each with at least one
-    ``block_n`` tile. Depends only on shapes (CUDA-graph safe)."""
+    ``programs_per_sm`` times (default: :func:`default_programs_per_sm`), each with at least
+    one ``block_n`` tile. Depends only on shapes (CUDA-graph safe)."""
     max_splits = max(1, triton.cdiv(num_selected, block_n))
     if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
         sms = 4
-    per_sm = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
+    per_sm = (default_programs_per_sm(batch * num_kv_heads, sms) if programs_per_sm is None
+              else programs_per_sm)
     want = triton.cdiv(per_sm * sms, max(1, batch * num_kv_heads))
     return max(1, min(max_splits, want))
 
+
+
+def default_programs_per_sm(rows: int, sms: int) -> int:
+    """The programs per SM the split count aims for with ``rows`` (request, kv head) rows."""
+    return FEW_ROWS_PROGRAMS_PER_SM if rows <= FEW_ROWS_PER_SM * sms else PROGRAMS_PER_SM
 
 
 def tile_slots(num_selected: int, block_n: int = _BLOCK_N) -> int:

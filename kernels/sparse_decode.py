@@ -590,11 +590,15 @@ def select_blocks_batched(
     seq_lens: Tensor,
     params: SelectionParams,
     workspace: SparseDecodeWorkspace,
+    out_table: Tensor | None = None,
 ) -> Tensor:
     """The block filter alone (quest / two_level): the top ``workspace.k_blocks`` blocks by
     Quest bound of every (request, kv head), int32 ``[B, Hkv, k]`` (a view of the workspace's
     ``top_blocks``; ``-1`` past a short middle). What :func:`select_slots_batched` takes as
-    ``candidates``: the asynchronous block filter runs it on a side stream for the next step."""
+    ``candidates``: the asynchronous block filter runs it on a side stream for the next step.
+    ``out_table`` (int32 ``[rows, Hkv, k]``, per request row): the top-k writes each
+    request's blocks straight into its row ``req_pool_indices[b]`` instead, and the table is
+    returned."""
     ws = workspace
     batch = q.shape[0]
     if not ws.k_blocks or params != ws.params or batch > ws.max_batch:
@@ -605,6 +609,9 @@ def select_blocks_batched(
         params.sink, params.window, ws.max_blocks, out=ws.block_scores[:batch],
         precision=ws.block_score_precision,
     )
+    if out_table is not None:
+        return topk_masked(scores, ws.k_blocks, out=out_table, impl=ws.topk_impl,
+                           radix_bits=ws.topk_radix_bits, out_rows=req_pool_indices)
     return topk_masked(scores, ws.k_blocks, out=ws.top_blocks[:batch], impl=ws.topk_impl,
                        radix_bits=ws.topk_radix_bits)
 

@@ -200,6 +200,8 @@ def _topk_kernel(
     ROWS_PER_K,
     HAS_K_ROWS: tl.constexpr,
     HAS_N_ROWS: tl.constexpr,
+    OUT_ROWS,
+    HAS_OUT_ROWS: tl.constexpr,
 ):
     rid = tl.program_id(0).to(tl.int64)
     k_row = None
@@ -208,7 +210,10 @@ def _topk_kernel(
         k_row = tl.load(K_ROWS + rid // ROWS_PER_K)
     if HAS_N_ROWS:
         n_row = tl.load(N_ROWS + rid // ROWS_PER_K)
-    _topk_row(S + rid * stride_s, OUT + rid * stride_o, N, K, BLOCK, OUT_BLOCK, RESIDENT,
+    out_rid = rid
+    if HAS_OUT_ROWS:  # the leading entry's row of the output table
+        out_rid = tl.load(OUT_ROWS + rid // ROWS_PER_K).to(tl.int64) * ROWS_PER_K + rid % ROWS_PER_K
+    _topk_row(S + rid * stride_s, OUT + out_rid * stride_o, N, K, BLOCK, OUT_BLOCK, RESIDENT,
               RADIX_BITS, EARLY_EXIT, k_row, n_row)
 
 
@@ -243,9 +248,14 @@ def topk_masked(
     early_exit: bool = True,
     k_rows: Tensor | None = None,
     n_rows: Tensor | None = None,
+    out_rows: Tensor | None = None,
 ) -> Tensor:
     """Indices (int32 ``[..., k]``) of the ``k`` largest finite entries of each row, ``-1``
     padded. See the module docstring for the two implementations.
+
+    ``out_rows`` (``[scores.shape[0]]`` row ids, Triton only): ``out`` is a table
+    ``[R, *scores.shape[1:-1], k]`` and leading entry ``i`` writes its row ``out_rows[i]``
+    (a scatter into per-request state without a copy); the other rows are left alone.
 
     ``k_rows`` (int32 ``[scores.shape[0]]``, values <= ``k``) gives each leading entry (all the
     rows under it, e.g. a request's kv heads) its own k; the output keeps ``k`` columns.
@@ -258,7 +268,14 @@ def topk_masked(
     if scores.dtype != torch.float32:
         raise TypeError(f"scores must be float32, got {scores.dtype}")
     lead, n = scores.shape[:-1], scores.shape[-1]
-    if out is None:
+    if out_rows is not None:
+        if impl != "triton" or out is None or out_rows.shape != lead[:1]:
+            raise ValueError("out_rows needs the Triton top-k, an output table and one row id "
+                             "per leading entry")
+        if out.shape[1:] != (*lead[1:], k) or out.dtype != torch.int32 or not out.is_contiguous():
+            raise ValueError(f"the output table must be contiguous int32 [R, "
+                             f"{(*lead[1:], k)}], got {out.dtype} {tuple(out.shape)}")
+    elif out is None:
         out = torch.empty(*lead, k, dtype=torch.int32, device=scores.device)
     elif out.shape != (*lead, k) or out.dtype != torch.int32:
         raise ValueError(f"out must be int32 {(*lead, k)}, got {out.dtype} {tuple(out.shape)}")
@@ -274,18 +291,20 @@ def topk_masked(
     rows = scores.reshape(-1, n)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out_rows = out.view(-1, k)
+    out_flat = out.view(-1, k)
     _topk_kernel[(rows.shape[0],)](
         rows,
-        out_rows,
+        out_flat,
         rows.stride(0),
-        out_rows.stride(0),
+        out_flat.stride(0),
         EARLY_EXIT=early_exit,
-        K_ROWS=out_rows if k_rows is None else k_rows,
-        N_ROWS=out_rows if n_rows is None else n_rows,
+        K_ROWS=out_flat if k_rows is None else k_rows,
+        N_ROWS=out_flat if n_rows is None else n_rows,
         ROWS_PER_K=max(1, rows.shape[0] // max(1, scores.shape[0])),
         HAS_K_ROWS=k_rows is not None,
         HAS_N_ROWS=n_rows is not None,
+        OUT_ROWS=out_flat if out_rows is None else out_rows,
+        HAS_OUT_ROWS=out_rows is not None,
         **topk_launch_config(n, k, radix_bits),
     )
     return out

@@ -111,6 +111,16 @@ def test_split_layout_follows_the_tile_size():
     assert split_layout(2048, 48) == (64, 32)  # 64-slot tiles: at most 32 splits
 
 
+def test_few_rows_aim_for_more_programs_and_splits_only_fall_with_the_batch():
+    from sglang_ext.kernels.sparse_attention import default_num_splits, default_programs_per_sm
+
+    assert default_programs_per_sm(136, 132) == 8  # 17 requests x 8 kv heads on an H200
+    assert default_programs_per_sm(240, 132) == 2  # 30 requests
+    # the workspace sizes its partial buffers for batch 1: no batch may need more splits
+    splits = [default_num_splits(b, 2, 2048, "cpu") for b in range(1, 40)]
+    assert all(a >= b for a, b in zip(splits, splits[1:]))
+
+
 def test_split_count_aims_at_programs_per_sm():
     from sglang_ext.kernels.sparse_attention import default_num_splits
 

@@ -132,3 +132,21 @@ def test_gpu_real_shapes(n, k):
             assert torch.equal(topk_masked(s, k, radix_bits=bits, early_exit=early_exit), got)
         if not ties:
             assert _sets(topk_masked(s, k, impl="torch")) == _sets(got)
+
+
+def test_out_rows_scatter_each_entry_into_its_table_row():
+    """``out_rows``: entry i's rows land in table row out_rows[i]; other table rows keep what
+    they held."""
+    gen = case_generator("topk-out-rows")
+    scores = _scores(gen, 6, 40).view(3, 2, 40).to(DEVICE)
+    table = torch.full((5, 2, 7), POISON, dtype=torch.int32, device=DEVICE)
+    rows = torch.tensor([4, 0, 2], device=DEVICE)
+    got = topk_masked(scores, 7, out=table, out_rows=rows)
+    assert got.data_ptr() == table.data_ptr()
+    want = topk_masked_ref(scores, 7)
+    assert torch.equal(table[rows], want)
+    assert (table[[1, 3]] == POISON).all()
+    with pytest.raises(ValueError, match="out_rows"):
+        topk_masked(scores, 7, out_rows=rows)
+    with pytest.raises(ValueError, match="output table"):
+        topk_masked(scores, 7, out=table[:, :1], out_rows=rows)

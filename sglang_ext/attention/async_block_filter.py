@@ -50,6 +50,10 @@ class AsyncBlockFilter:
                       if self.device.type == "cuda" else None)
         self._forked = False
 
+    def nbytes(self) -> int:
+        return (self.next_blocks.numel() * self.next_blocks.element_size()
+                + self._queries.numel() * self._queries.element_size())
+
     def candidates(self, layer: int, req_pool_indices: Tensor) -> Tensor:
         """``[B, Hkv, k]``: the blocks chosen for this step of each request of the batch."""
         return self.next_blocks[layer].index_select(0, req_pool_indices.long())
@@ -57,9 +61,10 @@ class AsyncBlockFilter:
     def choose_next(self, layer: int, q: Tensor, req_pool_indices: Tensor,
                     select_blocks: Any) -> None:
         """After the layer's token stage: choose the rows' blocks for their next step with this
-        step's query ``q`` ``[B, Hq, D]``. ``select_blocks(q)`` runs the block filter
+        step's query ``q`` ``[B, Hq, D]``. ``select_blocks(q, table)`` runs the block filter
         (:func:`~sglang_ext.kernels.sparse_decode.select_blocks_batched` bound to the layer's
-        summaries and the batch) and returns ``[B, Hkv, k]``."""
+        summaries and the batch), writing each request's blocks into its row of ``table``
+        ``[rows, Hkv, k]`` (its top-k scatters them: no copy after it)."""
         batch = q.shape[0]
         if batch > self._queries.shape[1]:
             raise ValueError(f"batch {batch} exceeds the filter's max_batch "
@@ -67,27 +72,24 @@ class AsyncBlockFilter:
         query = self._queries[layer, :batch]
         query.copy_(q)
         if self._side is None:
-            self._store(layer, req_pool_indices, select_blocks(query))
+            select_blocks(query, self.next_blocks[layer])
             return
         self._side.wait_stream(torch.cuda.current_stream(self.device))
         self._forked = True
         with torch.cuda.stream(self._side):
-            self._store(layer, req_pool_indices, select_blocks(query))
+            select_blocks(query, self.next_blocks[layer])
 
     def choose_after_extend(self, layer: int, q_last: Tensor, req_pool_indices: Tensor,
                             select_blocks: Any) -> None:
         """At the end of an extend (in line): each request's first decode step attends the
         blocks its last prompt token's query ``q_last`` ``[B, Hq, D]`` chooses."""
-        self._store(layer, req_pool_indices, select_blocks(q_last))
+        select_blocks(q_last, self.next_blocks[layer])
 
     def finish_step(self) -> None:
         """The join, after the last layer: the step ends when its block filters have."""
         if self._forked:
             torch.cuda.current_stream(self.device).wait_stream(self._side)
             self._forked = False
-
-    def _store(self, layer: int, req_pool_indices: Tensor, blocks: Tensor) -> None:
-        self.next_blocks[layer].index_copy_(0, req_pool_indices.long(), blocks)
 
 
 def last_token_queries(q: Tensor, extend_seq_lens: Tensor) -> Tensor:

@@ -278,15 +278,19 @@ class SparseDecodeBackend(AttentionBackend):
             k_blocks=self._ensure_workspace(1).k_blocks, max_batch=rows,
             num_q_heads=self._rank_q_heads(), head_dim=head_dim, device=self.device,
             dtype=self.model_runner.dtype)
+        logger.info("sglang_ext: asynchronous block filter on (%d blocks per kv head chosen a "
+                    "step ahead on a side stream), %.1f MiB of device state",
+                    self.block_filter.k_blocks, self.block_filter.nbytes() / 2**20)
 
     def _select_blocks(self, layer_index: int, forward_batch: ForwardBatch, batch: int) -> Any:
-        """The layer's block filter for the batch: q [B, Hq, D] -> its blocks [B, Hkv, k]."""
+        """The layer's block filter for the batch: (q [B, Hq, D], table [rows, Hkv, k]) ->
+        each request's blocks written into its row of the table."""
         from sglang_ext.kernels.sparse_decode import select_blocks_batched
 
         args = (self.summaries.kmin[layer_index], self.summaries.kmax[layer_index],
                 self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
                 forward_batch.seq_lens, self.kernel_params, self._ensure_workspace(batch))
-        return lambda q: select_blocks_batched(q, *args)
+        return lambda q, table: select_blocks_batched(q, *args, out_table=table)
 
     def _allocate_locality_state(self) -> None:
         """Device state of the locality constraint for the batched decode: per request row the
