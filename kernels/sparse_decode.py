@@ -397,6 +397,18 @@ class SparseDecodeWorkspace:
             raise ValueError(f"q dtype {dtype} differs from the workspace's {self.dtype}")
 
 
+def _block_scores(q: Tensor, kmin: Tensor, kmax: Tensor, req_to_token: Tensor,
+                  req_pool_indices: Tensor, seq_lens: Tensor,
+                  ws: SparseDecodeWorkspace) -> Tensor:
+    """The batch's Quest block scores, into the workspace's buffer."""
+    p = ws.params
+    return quest_block_scores_batched(
+        q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, p.block_size, p.sink,
+        p.window, ws.max_blocks, out=ws.block_scores[:q.shape[0]],
+        precision=ws.block_score_precision,
+    )
+
+
 def select_slots_batched(
     q: Tensor,
     k_buffer: Tensor,
@@ -506,11 +518,7 @@ def select_slots_batched(
     elif ws.k_blocks:
         if kmin is None or kmax is None:
             raise ValueError(f"{params.method} needs the block summaries kmin/kmax")
-        scores = quest_block_scores_batched(
-            q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, bs,
-            params.sink, params.window, ws.max_blocks, out=ws.block_scores[:batch],
-            precision=ws.block_score_precision,
-        )
+        scores = _block_scores(q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, ws)
         if locality is not None:
             locality_update_batched(locality, scores, req_to_token, req_pool_indices, seq_lens,
                                     params)
@@ -604,11 +612,7 @@ def select_blocks_batched(
     if not ws.k_blocks or params != ws.params or batch > ws.max_batch:
         raise ValueError("select_blocks_batched needs a block-filter method (quest, two_level) "
                          "and a workspace that fits the batch and params")
-    scores = quest_block_scores_batched(
-        q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, params.block_size,
-        params.sink, params.window, ws.max_blocks, out=ws.block_scores[:batch],
-        precision=ws.block_score_precision,
-    )
+    scores = _block_scores(q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, ws)
     if out_table is not None:
         return topk_masked(scores, ws.k_blocks, out=out_table, impl=ws.topk_impl,
                            radix_bits=ws.topk_radix_bits, out_rows=req_pool_indices)

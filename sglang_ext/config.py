@@ -181,8 +181,10 @@ _FLAGS: tuple[tuple[str, str, str, str], ...] = (
      "(in each layer, with this step's query) or async (AsyncTLS: with this step's query for "
      "the next step, on a side stream beside the following layers' GEMMs; each step picks its "
      "tokens, with its own query, inside the blocks chosen at the previous step, a request's "
-     "first step inside those its last prompt token chose). async needs the batched kernels "
-     "(CUDA), --sparse-method quest or two_level, and no tier, locality constraint or guard."),
+     "first step inside those its last prompt token chose). The reference decode ranks the "
+     "blocks with each request's previous query instead (the same selection; a request may ask "
+     "for it: custom_params.sparse.block_filter). async needs --sparse-method quest or "
+     "two_level, and no tier, locality constraint or guard."),
     ("cooperative_threads", "--sparse-cooperative-threads", "THREADS",
      "CPU worker threads of --sparse-cooperative (0 = half of the cores this process may use, "
      "at least 1, at most 8)."),

@@ -4,6 +4,7 @@ driver's --quick mode end to end against a real CPU server (marked ``server``)."
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import re
@@ -184,6 +185,24 @@ def test_locality_variants_use_the_shared_share_of_the_selected_blocks(tmp_path)
     learned = next(st for st in settings if st.method == "locality_learned")
     with pytest.raises(ValueError, match="eviction-head"):  # a server without heads: a 400
         parse_override(learned.custom_params, build_config())
+
+
+def test_async_filter_variants_ask_for_it_and_the_wide_ones_double_the_filter():
+    from sglang_ext.attention.request_overrides import parse_override
+    from sglang_ext.config import build_config
+
+    base = build_config()
+    settings = R.sparse_settings(["two_level", "two_level_async", "two_level_async_wide",
+                                  "two_level_wide"], [64, 128], block_size=4)
+    sel = {(st.method, st.budget): parse_override(st.custom_params, base) for st in settings[1:]}
+    for b in (64, 128):
+        plain = sel["two_level", b]
+        assert plain.block_filter == "sync"
+        assert sel["two_level_async", b] == dataclasses.replace(plain, block_filter="async")
+        wide = dataclasses.replace(plain, candidate_blocks=2 * plain.candidate_blocks)
+        assert sel["two_level_wide", b] == wide
+        assert sel["two_level_async_wide", b] == dataclasses.replace(wide, block_filter="async")
+    assert all(R.FILTER_SCALE not in st.custom_params["sparse"] for st in settings)
 
 
 def test_endpoint_adds_custom_params(monkeypatch):

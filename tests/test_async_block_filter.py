@@ -2,16 +2,19 @@
 a prefill, then decode steps of a batch of mixed lengths. Each step's output must be the
 reference decode whose block filter ran one step earlier (the previous step's query and length;
 a request's first step: its last prompt token's), with the tokens picked by this step's query.
-On the CPU the filter runs in line; the GPU tests run it on its side stream, eagerly and inside
-a CUDA graph."""
+On the CPU the batched decode's filter runs in line and the reference decode ranks the blocks
+with each row's previous query (server-wide or asked for by a request); the GPU tests run the
+batched one on its side stream, eagerly and inside a CUDA graph."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from sglang_ext.attention import request_overrides
 from sglang_ext.attention.async_block_filter import last_token_queries
 from sglang_ext.attention.sparse_backend import SparseDecodeBackend
 from sglang_ext.config import ConfigError, build_config
@@ -40,12 +43,13 @@ class KvWritingDelegate:
         return q.new_zeros(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
 
 
-def _setup(device: str, block_filter: str = "async", method: str = "two_level"):
+def _setup(device: str, block_filter: str = "async", method: str = "two_level",
+           impl: str = "triton", request_filter: str | None = None):
     lens = [9, 28, 45, 70]  # one within the budget, the others sparse
     rows = [3, 1, 6, 2]  # scattered rows, never 0 (the padding row)
     max_context = max(lens) + STEPS + BS
     cfg = build_config(method=method, budget=24, block_size=BS, sink=4, window=8,
-                       candidate_blocks=4, impl="triton", block_filter=block_filter)
+                       candidate_blocks=4, impl=impl, block_filter=block_filter)
     gen = torch.Generator().manual_seed(7)
     slots_total = BS * (2 + len(rows) * -(-max_context // BS))
     pool = FakePool([torch.zeros(slots_total, HKV, D, device=device) for _ in range(LAYERS)],
@@ -62,6 +66,10 @@ def _setup(device: str, block_filter: str = "async", method: str = "two_level"):
         server_args=SimpleNamespace(page_size=BS, enable_metrics=False), dtype=torch.float32)
     backend = SparseDecodeBackend(runner, cfg)
     backend._dense = KvWritingDelegate(pool)
+    if request_filter is not None:  # every request asks for it (custom_params)
+        reqs = [SimpleNamespace(req_pool_idx=row, sampling_params=SimpleNamespace(
+            custom_params={"sparse": {"block_filter": request_filter}})) for row in rows]
+        request_overrides.record(runner.req_to_token_pool, reqs, cfg)
     return backend, pool, table, rows, lens, gen
 
 
@@ -103,7 +111,7 @@ def _decode_inputs(table, rows, lens, gen, device):
 
 
 def _check_step(backend, pool, table, batch, per_layer, outs, block_q, block_lens):
-    params = backend.kernel_params
+    params = dataclasses.replace(backend.kernel_params, block_filter="sync")
     for layer_id, ((q, _, _), out) in enumerate(zip(per_layer, outs)):
         want, _, _ = sparse_decode_batched_ref(
             q.view(-1, HQ, D), pool.k[layer_id], pool.v[layer_id], table,
@@ -112,8 +120,10 @@ def _check_step(backend, pool, table, batch, per_layer, outs, block_q, block_len
         torch.testing.assert_close(out.view(-1, HQ, D), want, rtol=1e-4, atol=1e-5)
 
 
-def _run(device: str, method: str = "two_level", graph: bool = False) -> None:
-    backend, pool, table, rows, lens, gen = _setup(device, method=method)
+def _run(device: str, method: str = "two_level", graph: bool = False, impl: str = "triton",
+         block_filter: str = "async", request_filter: str | None = None) -> None:
+    backend, pool, table, rows, lens, gen = _setup(device, block_filter, method, impl,
+                                                   request_filter)
     block_q = _prefill(backend, table, rows, lens, gen, device)
     block_lens = torch.tensor(lens, device=device)
     for step in range(STEPS):
@@ -143,9 +153,14 @@ def _run(device: str, method: str = "two_level", graph: bool = False) -> None:
         block_lens = batch.seq_lens
 
 
+@pytest.mark.parametrize("impl", ["triton", "reference"])
 @pytest.mark.parametrize("method", ["two_level", "quest"])
-def test_decode_attends_the_blocks_chosen_a_step_earlier(method):
-    _run("cpu", method)
+def test_decode_attends_the_blocks_chosen_a_step_earlier(method, impl):
+    _run("cpu", method, impl=impl)
+
+
+def test_a_request_asks_for_it_on_the_reference_decode():
+    _run("cpu", impl="reference", block_filter="sync", request_filter="async")
 
 
 def test_the_check_tells_the_async_filter_from_the_inline_one():
@@ -184,16 +199,13 @@ def test_flag_combinations_fail_at_start_up_in_one_line(flags, words):
     assert "\n" not in str(err.value)
 
 
-def test_the_reference_decode_refuses_it():
-    with pytest.raises(ValueError, match="--sparse-block-filter async needs the batched kernels"):
-        backend_cfg = build_config(budget=24, block_size=BS, sink=4, window=8,
-                                   block_filter="async", impl="reference")
-        pool = FakePool([torch.zeros(64, HKV, D)], [torch.zeros(64, HKV, D)])
-        runner = SimpleNamespace(
-            device="cpu", req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(4, 32)),
-            token_to_kv_pool=pool, model_config=SimpleNamespace(num_attention_heads=HQ),
-            server_args=SimpleNamespace(page_size=BS, enable_metrics=False), dtype=torch.float32)
-        SparseDecodeBackend(runner, backend_cfg)
+def test_a_bad_request_value_is_refused_in_one_line():
+    cfg = build_config(budget=24, block_size=BS, sink=4, window=8)
+    with pytest.raises(ValueError, match="--sparse-block-filter must be one of sync, async"):
+        request_overrides.parse_override({"sparse": {"block_filter": "later"}}, cfg)
+    with pytest.raises(ValueError, match="async needs a block filter"):
+        request_overrides.parse_override({"sparse": {"block_filter": "async", "method": "ds"}},
+                                         cfg)
 
 
 @gpu

@@ -57,8 +57,19 @@ SHARE_OF_MIDDLE = "share_of_middle"
 WHOLE_MIDDLE_FILTER = "whole_middle_filter"
 # Another: set locality_new_blocks to LOCALITY_NEW_SHARE of the automatic filter.
 LIMITED_NEW_BLOCKS = "limited_new_blocks"
+# Another: the block filter this many times the automatic one.
+FILTER_SCALE = "filter_scale"
 VARIANTS = {
     "output_aware": {"method": "two_level", "scoring": "output_aware"},
+    # AsyncTLS's asynchronous block filter: blocks ranked by the previous step's query (what
+    # --sparse-block-filter async serves on the GPU), tokens by this step's
+    "two_level_async": {"method": "two_level", "head_policy": False, "block_filter": "async"},
+    # the same with twice the automatic filter: the token stage (this step's query) then
+    # picks from more of the blocks the previous step's query ranked high
+    "two_level_async_wide": {"method": "two_level", "head_policy": False,
+                             "block_filter": "async", FILTER_SCALE: 2.0},
+    # its control: the wide filter with this step's query
+    "two_level_wide": {"method": "two_level", "head_policy": False, FILTER_SCALE: 2.0},
     "head_policy": {"method": "two_level", "head_policy": True},
     "locality": {"method": "two_level", "head_policy": False, "locality_blocks": SHARE_OF_MIDDLE,
                  "eviction_score": "key_norm"},
@@ -181,6 +192,10 @@ def sparse_settings(methods: Sequence[str], budgets: Sequence[int], block_size: 
             s, w = shrunk_sink_window(b, sink, window)
             sparse = {**how, "budget": b, "block_size": block_size, "sink": s, "window": w}
             whole_middle = sparse.pop(WHOLE_MIDDLE_FILTER, False)
+            scale = sparse.pop(FILTER_SCALE, None)
+            if scale is not None:
+                sparse["candidate_blocks"] = locality_limited_candidate_blocks(scale, b, s, w,
+                                                                               block_size)
             if sparse.pop(LIMITED_NEW_BLOCKS, False):
                 sparse["locality_new_blocks"] = locality_new_blocks_for_share(new_share, b, s, w,
                                                                               block_size)
@@ -560,7 +575,8 @@ def render_plot(doc: dict, path: str) -> None:
               "output_aware": "tab:red", "head_policy": "tab:purple", "locality": "tab:brown",
               "locality_learned": "tab:pink", "locality_wide": "tab:olive",
               "locality_attention": "tab:cyan", "locality_limited": "tab:gray",
-              "locality_limited_learned": "black"}
+              "locality_limited_learned": "black", "two_level_async": "goldenrod",
+              "two_level_async_wide": "darkgoldenrod", "two_level_wide": "darkgreen"}
 
     def get(task, ctx, method, budget):
         if task == "mean":

@@ -15,7 +15,10 @@ request attends a real selection. The side stream joins the compute stream once 
 (:meth:`finish_step`, after the last layer), which also orders the next step's reads after
 this step's writes. Under CUDA graphs the fork and join are captured as graph edges.
 
-Without a side stream (CPU) the filter runs in line: the same results, nothing hidden.
+Without a side stream (CPU) the filter runs in line: the same results, nothing hidden. The
+reference decode (``--sparse-impl reference``, per request on the host) keeps each row's previous
+query instead (:class:`PreviousQueries`) and ranks the blocks with it: the same selection, for the
+CPU accuracy suite (a request may ask for it: ``custom_params.sparse.block_filter``).
 """
 
 from __future__ import annotations
@@ -99,11 +102,28 @@ def last_token_queries(q: Tensor, extend_seq_lens: Tensor) -> Tensor:
     return q.index_select(0, ends)
 
 
-def unsupported_reason(impl: str, mla: bool) -> Optional[str]:
+class PreviousQueries:
+    """The reference (per-request) decode's asynchronous filter: per request row, the length
+    and each layer's query of its previous step (of its last prompt token after a prefill), which
+    rank its blocks at the next step (``select_token_mask``'s ``block_query``). Host-side: the
+    reference decode loops over requests anyway. One entry per row, replaced when the row is
+    prefilled again: bounded by the rows, nothing to free on abort."""
+
+    def __init__(self) -> None:
+        self._rows: dict[int, dict[int, tuple[int, Tensor]]] = {}
+
+    def get(self, row: int, layer: int) -> Optional[tuple[int, Tensor]]:
+        """(length, query [Hq, D]) of the row's previous step at ``layer``, or None (then the
+        block filter runs with this step's query)."""
+        return self._rows.get(row, {}).get(layer)
+
+    def put(self, row: int, layer: int, length: int, q: Tensor) -> None:
+        self._rows.setdefault(row, {})[layer] = (length, q.detach().clone())
+
+
+def unsupported_reason(mla: bool) -> Optional[str]:
     """Why ``--sparse-block-filter async`` cannot run on this backend (None: it can); the
     flag combinations are checked with the other flags (sglang_ext/config.py)."""
-    if impl != "triton":
-        return "needs the batched kernels (--sparse-impl triton, the CUDA default)"
     if mla:
         return "does not support MLA models (latent KV pool) yet"
     return None

@@ -21,7 +21,8 @@ from sglang_ext.selection import SelectionParams
 OVERRIDE_KEY = "sparse"
 DENSE = "dense"
 OVERRIDABLE = ("method", "budget", "block_size", "candidate_blocks", "sink", "window", "scoring",
-               "head_policy", "locality_blocks", "eviction_score", "locality_new_blocks")
+               "head_policy", "locality_blocks", "eviction_score", "locality_new_blocks",
+               "block_filter")
 
 # What a request decodes with: SelectionParams, or None for dense attention.
 RequestSparsity = Optional[SelectionParams]
@@ -42,6 +43,7 @@ def selection_params(cfg: SparseConfig, use_head_policy: Optional[bool] = None) 
         locality_blocks=cfg.locality_blocks,
         eviction_score=cfg.eviction_score,
         locality_new_blocks=cfg.locality_new_blocks,
+        block_filter=cfg.block_filter,
     )
 
 

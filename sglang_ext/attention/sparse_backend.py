@@ -43,7 +43,7 @@ from sglang_ext.selection.guard import (
     widened,
 )
 from sglang_ext.selection.mla import kv_layout, mla_unsupported, pool_kv_lora_rank
-from sglang_ext.selection.reference import BatchedSparseDecode
+from sglang_ext.selection.reference import BatchedSparseDecode, SelectionParams
 from sglang_ext.tensor_parallel import attn_tp, rank_kv_heads
 
 if TYPE_CHECKING:
@@ -208,10 +208,19 @@ class SparseDecodeBackend(AttentionBackend):
                 self._allocate_guard_state()
             if config.locality_blocks > 0:
                 self._allocate_locality_state()
-        # AsyncTLS's block filter one step ahead on a side stream (--sparse-block-filter async)
+        # AsyncTLS's block filter one step ahead (--sparse-block-filter async, or per request
+        # on the reference decode): on a side stream in the batched decode, from each row's
+        # previous queries in the reference one.
+        from sglang_ext.attention.async_block_filter import PreviousQueries, unsupported_reason
+
         self.block_filter: Optional[Any] = None
+        self.previous_queries = PreviousQueries()
         if config.block_filter == "async":
-            self._allocate_block_filter()
+            reason = unsupported_reason(self.kv_lora_rank is not None)
+            if reason is not None:
+                raise ValueError(f"sglang_ext: --sparse-block-filter async {reason}")
+            if self.impl == "triton":
+                self._allocate_block_filter()
 
     # ------------------------------------------------------------------ set-up
 
@@ -264,11 +273,8 @@ class SparseDecodeBackend(AttentionBackend):
         )
 
     def _allocate_block_filter(self) -> None:
-        from sglang_ext.attention.async_block_filter import AsyncBlockFilter, unsupported_reason
+        from sglang_ext.attention.async_block_filter import AsyncBlockFilter
 
-        reason = unsupported_reason(self.impl, self.kv_lora_rank is not None)
-        if reason is not None:
-            raise ValueError(f"sglang_ext: --sparse-block-filter async {reason}")
         pool = self.token_to_kv_pool
         _, num_kv_heads, head_dim = pool.get_key_buffer(pool.start_layer).shape
         rows = self.req_to_token_pool.req_to_token.shape[0]
@@ -603,16 +609,36 @@ class SparseDecodeBackend(AttentionBackend):
             )
         if self.summaries is not None and self._wrote_kv(k, save_kv_cache):
             self._update_summaries(layer, k, v, forward_batch)
-        if self.block_filter is not None and forward_batch.extend_seq_lens is not None:
-            from sglang_ext.attention.async_block_filter import last_token_queries
+        if forward_batch.extend_seq_lens is not None:
+            self._remember_last_queries(q, layer, forward_batch)
+        return out
 
+    def _remember_last_queries(self, q: torch.Tensor, layer: RadixAttention,
+                               forward_batch: ForwardBatch) -> None:
+        """The asynchronous block filter's first step: each request's first decode step ranks
+        its blocks with its last prompt token's query (chosen now in the batched decode,
+        kept for the reference one)."""
+        from sglang_ext.attention.async_block_filter import last_token_queries
+
+        index = self._layer_index(layer)
+        if self.block_filter is not None:
             q_last = last_token_queries(q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
                                         forward_batch.extend_seq_lens)
-            index = self._layer_index(layer)
             self.block_filter.choose_after_extend(
                 index, q_last, forward_batch.req_pool_indices,
                 self._select_blocks(index, forward_batch, q_last.shape[0]))
-        return out
+        elif self.impl == "reference":
+            rows = forward_batch.req_pool_indices.tolist()
+            wanted = [i for i, row in enumerate(rows) if _async_filter(
+                request_overrides.lookup(self.req_to_token_pool, row, self.default_params))]
+            if not wanted:
+                return
+            q_last = last_token_queries(q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
+                                        forward_batch.extend_seq_lens)
+            seq_lens = (forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None
+                        else forward_batch.seq_lens).tolist()
+            for i in wanted:
+                self.previous_queries.put(rows[i], index, seq_lens[i], q_last[i])
 
     def _has_one_token_extends(self, layer: RadixAttention, forward_batch: ForwardBatch) -> bool:
         """Whether this extend batch holds requests that extend a cached prefix by one token
@@ -864,9 +890,10 @@ class SparseDecodeBackend(AttentionBackend):
         ):
             local = self._uses_locality(params)
             guard = meta.guards[i] if meta.guards is not None else None
+            stale = _async_filter(params)
             if self.tiered is None and params is not None and seq_len > params.budget \
                     and not local and guard is None and params.scoring == "score" \
-                    and not params.head_policy:
+                    and not params.head_policy and not stale:
                 sparse.append(i)
                 continue
             slots = req_to_token[row, :seq_len]
@@ -888,7 +915,12 @@ class SparseDecodeBackend(AttentionBackend):
             else:
                 streaming = None if self.streaming_heads is None \
                     else self.streaming_heads[layer.layer_id]
-                mask = select_token_mask(q[i], keys, params, channels, values, streaming)
+                earlier = self.previous_queries.get(row, self._layer_index(layer)) \
+                    if stale else None
+                mask = select_token_mask(
+                    q[i], keys, params, channels, values, streaming,
+                    block_query=None if earlier is None else earlier[1],
+                    block_length=None if earlier is None else earlier[0])
                 if self.cooperative is not None:  # attended below, the layer's rows together
                     coop.append((i, mask, keys, values))
                     continue
@@ -896,6 +928,11 @@ class SparseDecodeBackend(AttentionBackend):
                 if guard is not None:
                     guard.add_recall(selection_recall(q[i], keys, mask, layer.scaling,
                                                       guard.probe_head))
+        for i, (row, seq_len, params) in enumerate(
+            zip(meta.req_pool_indices, meta.seq_lens, meta.sparsity)
+        ):
+            if _async_filter(params):  # this step's query ranks the next step's blocks
+                self.previous_queries.put(row, self._layer_index(layer), seq_len, q[i])
         if coop:
             index = [i for i, _, _, _ in coop]
             layer_index = self._layer_index(layer)
@@ -993,6 +1030,10 @@ class _ReqPoolView:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pool, name)
+
+
+def _async_filter(params: Optional[SelectionParams]) -> bool:
+    return params is not None and params.block_filter == "async"
 
 
 def resolve_impl(config: SparseConfig, device: Any) -> str:

@@ -41,6 +41,8 @@ class SelectionParams:
     :mod:`sglang_ext.selection.locality`). ``locality_new_blocks`` (with ``locality_blocks``):
     at most this many of the query-aware part's blocks per step and kv head may lie outside
     the previous step's block filter (0 = no limit), which bounds a host tier's transfers.
+    ``block_filter`` (quest, two_level): "async" ranks the blocks with the previous step's query
+    and length (AsyncTLS's asynchronous filter; ``select_token_mask``'s ``block_query``).
     """
 
     method: str
@@ -54,6 +56,7 @@ class SelectionParams:
     locality_blocks: int = 0
     eviction_score: str = "attention"
     locality_new_blocks: int = 0
+    block_filter: str = "sync"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -76,6 +79,10 @@ class SelectionParams:
         if self.locality_new_blocks < 0 or (self.locality_new_blocks and not self.locality_blocks):
             raise ValueError(f"locality_new_blocks needs locality_blocks > 0 and >= 0, got "
                              f"{self.locality_new_blocks}")
+        if self.block_filter not in ("sync", "async") or (
+                self.block_filter == "async" and self.method not in ("quest", "two_level")):
+            raise ValueError(f"block_filter must be sync or async (async: quest, two_level), "
+                             f"got {self.block_filter!r} with {self.method!r}")
         if self.method == "two_level" and self.candidate_blocks < 1:
             raise ValueError(
                 f"two_level needs candidate_blocks >= 1, got {self.candidate_blocks}"
