@@ -208,6 +208,18 @@ def test_a_bad_request_value_is_refused_in_one_line():
                                          cfg)
 
 
+def test_mla_models_refuse_it_server_wide_and_per_request():
+    from sglang_ext.attention.request_overrides import selection_params
+    from sglang_ext.selection.mla import mla_unsupported
+
+    cfg = build_config(block_filter="async")
+    assert ("block_filter", "--sparse-block-filter async") in mla_unsupported(cfg)
+    # a request's settings (SelectionParams) too: patches/sampling_params.py answers a 400
+    assert mla_unsupported(selection_params(cfg)) == [("block_filter",
+                                                       "--sparse-block-filter async")]
+    assert not mla_unsupported(build_config())
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])

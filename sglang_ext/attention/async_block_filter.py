@@ -119,11 +119,3 @@ class PreviousQueries:
 
     def put(self, row: int, layer: int, length: int, q: Tensor) -> None:
         self._rows.setdefault(row, {})[layer] = (length, q.detach().clone())
-
-
-def unsupported_reason(mla: bool) -> Optional[str]:
-    """Why ``--sparse-block-filter async`` cannot run on this backend (None: it can); the
-    flag combinations are checked with the other flags (sglang_ext/config.py)."""
-    if mla:
-        return "does not support MLA models (latent KV pool) yet"
-    return None

@@ -211,16 +211,13 @@ class SparseDecodeBackend(AttentionBackend):
         # AsyncTLS's block filter one step ahead (--sparse-block-filter async, or per request
         # on the reference decode): on a side stream in the batched decode, from each row's
         # previous queries in the reference one.
-        from sglang_ext.attention.async_block_filter import PreviousQueries, unsupported_reason
+        # (MLA pools refuse it with the other settings they lack: mla_unsupported, above.)
+        from sglang_ext.attention.async_block_filter import PreviousQueries
 
         self.block_filter: Optional[Any] = None
         self.previous_queries = PreviousQueries()
-        if config.block_filter == "async":
-            reason = unsupported_reason(self.kv_lora_rank is not None)
-            if reason is not None:
-                raise ValueError(f"sglang_ext: --sparse-block-filter async {reason}")
-            if self.impl == "triton":
-                self._allocate_block_filter()
+        if config.block_filter == "async" and self.impl == "triton":
+            self._allocate_block_filter()
 
     # ------------------------------------------------------------------ set-up
 
@@ -627,7 +624,7 @@ class SparseDecodeBackend(AttentionBackend):
             self.block_filter.choose_after_extend(
                 index, q_last, forward_batch.req_pool_indices,
                 self._select_blocks(index, forward_batch, q_last.shape[0]))
-        elif self.impl == "reference":
+        elif self.impl == "reference" and self.kv_lora_rank is None:
             rows = forward_batch.req_pool_indices.tolist()
             wanted = [i for i, row in enumerate(rows) if _async_filter(
                 request_overrides.lookup(self.req_to_token_pool, row, self.default_params))]

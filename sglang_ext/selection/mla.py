@@ -76,6 +76,7 @@ _MLA_UNSUPPORTED = (
     ("eviction_head", "--sparse-eviction-head", lambda v: v is not None),
     ("locality_blocks", "--sparse-locality-blocks", lambda v: v > 0),
     ("cooperative", "--sparse-cooperative", lambda v: v == "on"),
+    ("block_filter", "--sparse-block-filter async", lambda v: v == "async"),
 )
 
 
