@@ -19,6 +19,10 @@ Without a side stream (CPU) the filter runs in line: the same results, nothing h
 reference decode (``--sparse-impl reference``, per request on the host) keeps each row's previous
 query instead (:class:`PreviousQueries`) and ranks the blocks with it: the same selection, for the
 CPU accuracy suite (a request may ask for it: ``custom_params.sparse.block_filter``).
+
+Measured: ≈ 7% off a 128k decode step on an H200, and 15 points off the CPU accuracy suite
+(SmolLM2, budgets 64 / 128: benchmarks/results/accuracy_async_filter_smollm2.md), so it is
+off by default.
 """
 
 from __future__ import annotations
