@@ -606,7 +606,8 @@ class SparseDecodeBackend(AttentionBackend):
             )
         if self.summaries is not None and self._wrote_kv(k, save_kv_cache):
             self._update_summaries(layer, k, v, forward_batch)
-        if forward_batch.extend_seq_lens is not None:
+        if (self.block_filter is not None or self.impl == "reference") and \
+                getattr(forward_batch, "extend_seq_lens", None) is not None:
             self._remember_last_queries(q, layer, forward_batch)
         return out
 
