@@ -36,7 +36,7 @@ class KvWritingDelegate:
         self.pool = pool
 
     def init_forward_metadata(self, forward_batch) -> None:
-        pass
+        """Nothing to plan: forward_extend below neither reads metadata nor attends."""
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         self.pool.set_kv_buffer(layer, SimpleNamespace(loc=forward_batch.out_cache_loc), k, v)
