@@ -502,16 +502,15 @@ def stage_builders(q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, 
                 ws.block_scores[:batch], ws.k_blocks, out=ws.top_blocks[:batch],
                 impl=ws.topk_impl, radix_bits=ws.topk_radix_bits)))
     if ws.k_tokens:
-        from sglang_ext.kernels.label_cache import label_queries
-
         cand = ws.top_blocks[:batch] if ws.k_blocks else None
-        # as select_slots_batched: the label cache with reduced queries, or the keys' channels
-        tok_q, tok_keys, tok_ch = ((lambda: label_queries(q, channels)), labels, None) \
-            if labels is not None else ((lambda: q), k_buffer, channels)
+        # as select_slots_batched: the label cache (queries read at its channels), or the keys'
+        # channels gathered from the pool
+        tok_keys = labels if labels is not None else k_buffer
         out.append(("token_scores", lambda: lambda: label_token_scores_batched(
-            tok_q(), tok_keys, req_to_token, req_pool_indices, seq_lens, cand, bs, params.sink,
-            params.window, channels=tok_ch, num_blocks=ws.max_blocks,
-            scores_out=ws.token_scores[:batch], return_positions=False)[0]))
+            q, tok_keys, req_to_token, req_pool_indices, seq_lens, cand, bs, params.sink,
+            params.window, channels=channels, num_blocks=ws.max_blocks,
+            scores_out=ws.token_scores[:batch], return_positions=False,
+            keys_are_labels=labels is not None)[0]))
     return out
 
 

@@ -48,7 +48,6 @@ import triton.language as tl
 from torch import Tensor
 
 from sglang_ext.kernels.block_scores import quest_block_scores_batched
-from sglang_ext.kernels.label_cache import label_queries
 from sglang_ext.kernels.locality import (
     KERNEL_SCORE_KINDS,
     LocalityLayerState,
@@ -535,17 +534,19 @@ def select_slots_batched(
         if attend_blocks is not None:
             top = cand = attend_blocks[:batch]
     if ws.k_tokens:
-        tok_q, tok_keys, tok_channels = q, k_buffer, channels
-        if labels is not None and page_map is None:
+        tok_keys = k_buffer
+        from_labels = labels is not None and page_map is None
+        if from_labels:
             if channels is None or labels.shape[1:] != channels.shape:
                 raise ValueError("labels need their channels ([Hkv, r], matching the cache)")
-            tok_q, tok_keys, tok_channels = label_queries(q, channels), labels, None
+            tok_keys = labels
         tok_scores, _ = label_token_scores_batched(
-            tok_q, tok_keys, req_to_token, req_pool_indices, seq_lens,
+            q, tok_keys, req_to_token, req_pool_indices, seq_lens,
             cand if ws.mode == _MODE_CAND_TOKENS else None, bs, params.sink, params.window,
-            channels=tok_channels, num_blocks=ws.max_blocks, scores_out=ws.token_scores[:batch],
+            channels=channels, num_blocks=ws.max_blocks, scores_out=ws.token_scores[:batch],
             return_positions=False, page_map=page_map,
             forced_blocks=ws.block_scores[:batch] if locality is not None else None,
+            keys_are_labels=from_labels,
         )
         if on_token_scores is not None:
             on_token_scores(tok_scores, cand)
@@ -580,7 +581,10 @@ def select_slots_batched(
                 fscores, *common[:8], fscores.stride(0), fscores.stride(1), *common[8:],
                 K_ROWS=slots if k_rows is None else k_rows, HAS_K_ROWS=k_rows is not None,
                 N_ROWS=slots if n_rows is None else n_rows, HAS_N_ROWS=n_rows is not None,
-                ASM_BLOCK=block, EARLY_EXIT=True, **consts,
+                # the whole slot list (up to 2048) in one tile: one chain of dependent loads
+                # (winner -> candidate block -> req_to_token) instead of one per 1024 slots
+                ASM_BLOCK=min(2048, triton.next_power_of_2(params.budget)), EARLY_EXIT=True,
+                **consts,
                 **topk_launch_config(fscores.shape[-1], k, ws.topk_radix_bits),
             )
         if locality is not None:
@@ -641,6 +645,7 @@ def sparse_decode_batched(
     row_ks: tuple[Tensor | None, Tensor | None] | None = None,
     locality: LocalityLayerState | None = None,
     candidates: Tensor | None = None,
+    out: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """One sparse decode step for a batch: ``out [B, Hq, Dv]`` in q's dtype (and the float32
     LSE ``[B, Hq]`` with ``return_lse``).
@@ -655,7 +660,9 @@ def sparse_decode_batched(
     :func:`select_slots_batched` (the attention then reads the per-head device slots).
     ``labels``: the layer's label cache (:mod:`label_cache`), ``row_ks``: per-request top-k
     sizes, ``locality``: the locality constraint's state, ``candidates``: the block filter's
-    result given; see :func:`select_slots_batched`.
+    result given; see :func:`select_slots_batched`. ``out`` (``[B, Hq, Dv]``, q's dtype): the
+    output's destination instead of the workspace's buffer (which the next call overwrites), so
+    a caller that keeps every layer's output needs no copy.
     """
     batch, num_q_heads, _ = q.shape
     if workspace is None:
@@ -673,7 +680,7 @@ def sparse_decode_batched(
     out, lse = sparse_attention_batched(
         q, k_buffer, v_buffer, slots, sm_scale,
         num_splits=workspace._splits_for(batch),
-        out=workspace.out[:batch], lse=workspace.lse[:batch],
+        out=workspace.out[:batch] if out is None else out, lse=workspace.lse[:batch],
         partial_o=workspace.partial_o[:batch], partial_lse=workspace.partial_lse[:batch],
     )
     return (out, lse) if return_lse else out

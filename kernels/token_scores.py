@@ -64,6 +64,7 @@ def _label_token_scores_kernel(
     BLOCK_T: tl.constexpr,
     ALL_BLOCKS: tl.constexpr,
     HAS_CHANNELS: tl.constexpr,
+    KEYS_ARE_LABELS: tl.constexpr,
     WRITE_POS: tl.constexpr,
     HAS_PAGE_MAP: tl.constexpr,
     HAS_FORCED: tl.constexpr,
@@ -103,8 +104,13 @@ def _label_token_scores_kernel(
         ch = tl.load(CHANNELS + g * stride_chg + r, mask=rmask, other=0).to(tl.int64)
     else:
         ch = r.to(tl.int64)
+    # The label cache holds only the label channels, in order: its column r is channel ch[r].
+    if KEYS_ARE_LABELS:
+        k_col = r.to(tl.int64)
+    else:
+        k_col = ch
     k = tl.load(
-        K_BUFFER + slot[:, None] * stride_kn + g * stride_kh + ch[None, :],
+        K_BUFFER + slot[:, None] * stride_kn + g * stride_kh + k_col[None, :],
         mask=valid[:, None] & rmask[None, :],
         other=0.0,
     ).to(tl.float32)  # [BLOCK_T, BLOCK_CH]
@@ -150,6 +156,7 @@ def label_token_scores_batched(
     return_positions: bool = True,
     page_map: Tensor | None = None,
     forced_blocks: Tensor | None = None,
+    keys_are_labels: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Token scores of the candidate blocks of every (request, kv head).
 
@@ -161,7 +168,11 @@ def label_token_scores_batched(
     keys are read through it instead of ``req_to_token``; blocks that are not resident score
     ``-inf``. ``forced_blocks`` (float32 ``[B, Hkv, max_blocks]``, block scores): the middle
     tokens of a candidate block whose entry is ``+inf`` score ``+inf`` (the locality
-    constraint's kept blocks, :mod:`locality`).
+    constraint's kept blocks, :mod:`locality`). ``keys_are_labels``: ``k_buffer`` is the label
+    cache (:mod:`label_cache`, ``[num_slots, Hkv, r]``: key column ``i`` holds channel
+    ``channels[g, i]``), so the keys are read whole and only the queries at ``channels`` (the
+    same products in the same order as reading the channels from the pool's keys; the query
+    gather happens in the kernel, not as separate launches).
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -188,6 +199,8 @@ def label_token_scores_batched(
     if batch == 0 or n_tok == 0:
         return scores_out, positions_out
 
+    if keys_are_labels and (channels is None or k_buffer.shape[2] != channels.shape[-1]):
+        raise ValueError("label-cache keys need their channels ([Hkv, r], r = the cache's width)")
     if channels is not None:
         if channels.shape[0] != num_kv_heads:
             raise ValueError(f"channels {tuple(channels.shape)} != [Hkv={num_kv_heads}, r]")
@@ -240,6 +253,7 @@ def label_token_scores_batched(
         BLOCK_T=block_t,
         ALL_BLOCKS=cand is None,
         HAS_CHANNELS=channels is not None,
+        KEYS_ARE_LABELS=keys_are_labels,
         WRITE_POS=positions_out is not None,
         HAS_PAGE_MAP=page_map is not None,
         HAS_FORCED=forced_blocks is not None,

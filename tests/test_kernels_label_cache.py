@@ -1,14 +1,16 @@
-"""The label cache (kernels/label_cache.py): stored label channels equal the keys' channels, and
-token scoring from the cache selects exactly the slots that gathering the channels from the
-pool selects (kernels/sparse_decode.py, ``labels=``), which the oracle tests pin down."""
+"""The label cache (kernels/label_cache.py): stored label channels equal the keys' channels (the
+Triton write against the torch reference), and token scoring from the cache gives exactly the
+scores, and selects exactly the slots, that gathering the channels from the pool does
+(kernels/token_scores.py ``keys_are_labels``, kernels/sparse_decode.py ``labels=``), which the
+oracle tests pin down."""
 
 import pytest
 import torch
 
 from sglang_ext.kernels.label_cache import (
     allocate_label_cache,
-    label_queries,
     update_label_cache,
+    update_label_cache_ref,
 )
 from sglang_ext.kernels.sparse_decode import (
     SparseDecodeWorkspace,
@@ -16,6 +18,7 @@ from sglang_ext.kernels.sparse_decode import (
     sparse_decode_batched,
 )
 from sglang_ext.kernels.testing import case_generator, make_paged_batch, random_values
+from sglang_ext.kernels.token_scores import label_token_scores_batched
 from sglang_ext.selection.reference import SelectionParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,14 +49,47 @@ def test_update_stores_each_keys_channels(dtype):
     assert labels[~written.to(DEVICE)].isnan().all(), "a slot that was not written changed"
 
 
-def test_label_queries_pick_each_heads_group_channels():
-    gen = case_generator("label-queries")
-    b, hq, hkv, d, r = 2, 6, 2, 16, 4
+@pytest.mark.parametrize("key_dtype", [torch.bfloat16, torch.float32], ids=["same", "narrowed"])
+def test_update_matches_the_torch_reference(key_dtype):
+    """Prefill-sized and decode-sized writes, keys wider than the cache rounded like torch."""
+    gen = case_generator("label-cache-ref", str(key_dtype))
+    hkv, d, r, slots = 3, 32, 6, 200
     channels = _channels(gen, hkv, d, r, DEVICE)
-    q = random_values(gen, b, hq, d, device=DEVICE)
-    got = label_queries(q, channels)
-    for h in range(hq):
-        assert torch.equal(got[:, h], q[:, h, channels[h // (hq // hkv)]])
+    got = allocate_label_cache(slots, hkv, r, DEVICE, torch.bfloat16)
+    want = allocate_label_cache(slots, hkv, r, DEVICE, torch.bfloat16)
+    order = torch.randperm(slots, generator=gen)
+    for chunk in (order[:150], order[150:151], order[151:160]):
+        k = random_values(gen, len(chunk), hkv, d, dtype=key_dtype, device=DEVICE)
+        loc = chunk.to(device=DEVICE, dtype=torch.int32)
+        update_label_cache(got, k, loc, channels)
+        update_label_cache_ref(want, k, loc, channels)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="do not match the label cache"):
+        update_label_cache(got, k, loc, channels[:, :2])
+
+
+@pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 4)], ids=["gqa", "mha"])
+def test_token_scores_from_the_cache_are_the_pools(hq, hkv):
+    """keys_are_labels reads the cache whole and the queries at the channels: the very scores
+    of reading the channels from the pool's keys (bit for bit: same products, same order)."""
+    gen = case_generator("label-cache-scores", hq, hkv)
+    d, bs = 16, 4
+    pb = make_paged_batch(gen, [9, 40, 77], hkv, d, bs, dtype=torch.bfloat16, device=DEVICE,
+                          summary_chunks=0)
+    q = random_values(gen, 3, hq, d, dtype=torch.bfloat16, device=DEVICE)
+    channels = _channels(gen, hkv, d, 5, DEVICE)
+    labels = allocate_label_cache(pb.k_buffer.shape[0], hkv, 5, DEVICE, torch.bfloat16)
+    update_label_cache(labels, pb.k_buffer, torch.arange(pb.k_buffer.shape[0], device=DEVICE),
+                       channels)
+    common = (pb.req_to_token, pb.req_pool_indices, pb.seq_lens, None, bs, 2, 3)
+    want, _ = label_token_scores_batched(q, pb.k_buffer, *common, channels=channels,
+                                         num_blocks=pb.max_blocks)
+    got, _ = label_token_scores_batched(q, labels, *common, channels=channels,
+                                        num_blocks=pb.max_blocks, keys_are_labels=True)
+    assert torch.equal(got, want) and want.isfinite().any()
+    with pytest.raises(ValueError, match="label-cache keys need their channels"):
+        label_token_scores_batched(q, labels, *common, num_blocks=pb.max_blocks,
+                                   keys_are_labels=True)
 
 
 @pytest.mark.parametrize("method", ["two_level", "ds"])

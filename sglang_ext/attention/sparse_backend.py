@@ -782,6 +782,8 @@ class SparseDecodeBackend(AttentionBackend):
             locality=None if self.locality is None else self.locality.layer(layer_index),
             candidates=(None if self.block_filter is None else
                         self.block_filter.candidates(layer_index, forward_batch.req_pool_indices)),
+            # a tensor of this layer's own: the workspace's output buffer is shared by all layers
+            out=q.new_empty((q.shape[0], layer.tp_q_head_num, layer.v_head_dim)),
             **tier_args,
         )
         if self.block_filter is not None:
@@ -802,8 +804,7 @@ class SparseDecodeBackend(AttentionBackend):
                              k_buffer, v_buffer)
             if layer.layer_id == self.token_to_kv_pool.end_layer - 1:
                 tier.finish_step()  # the fence: this step's prefetches land before the next
-        # The workspace's output buffer is shared by all layers: hand back a copy.
-        return out.reshape(q.shape[0], layer.tp_q_head_num * layer.v_head_dim).clone()
+        return out.reshape(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
 
     def _ensure_workspace(self, batch: int) -> Any:
         """Scratch that fits `batch`. Workspaces are never freed or replaced: captured CUDA
