@@ -37,6 +37,12 @@ from sglang_ext.kernels.block_summary import SUMMARY_DTYPES as _SUMMARY_DTYPES
 from sglang_ext.kernels.sparse_attention import head_dim_tiling
 from sglang_ext.selection.reference import quest_block_scores
 
+# Launch layout defaults (benchmarks/bench_sparse_attention.py, stage block_scores): kv heads
+# per program and whether the heads are the grid's fastest dimension. Not yet measured on the
+# H200: one (request, kv head) per program, requests fastest, as the kernel has always run.
+HEADS_PER_PROGRAM = 1
+HEADS_FASTEST = False
+
 
 @triton.jit
 def _quest_block_scores_kernel(
@@ -66,9 +72,15 @@ def _quest_block_scores_kernel(
     BLOCK_NB: tl.constexpr,
     PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    g = tl.program_id(1)
+    if HEADS_FASTEST:  # the programs of one request's kv heads launch side by side
+        g0 = tl.program_id(0) * HEADS_PER_PROGRAM
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        g0 = tl.program_id(1) * HEADS_PER_PROGRAM
     tile = tl.program_id(2)
 
     row = tl.load(REQ_POOL_INDICES + b).to(tl.int64)
@@ -83,73 +95,78 @@ def _quest_block_scores_kernel(
     )
     page = first_slot.to(tl.int64) // BLOCK_SIZE
 
-    d = tl.arange(0, BLOCK_D)
-    q_base = Q + b.to(tl.int64) * stride_qb + (g * GROUP) * stride_qh
-    hh = tl.arange(0, GROUP_PAD)
-    hmask = hh < GROUP
+    # A page's summaries of all kv heads are adjacent ([num_pages, Hkv, D]): the heads of one
+    # program read them as one run of Hkv * D values per page, and share the page lookup.
+    for gi in tl.static_range(HEADS_PER_PROGRAM):
+        g = g0 + gi
+        d = tl.arange(0, BLOCK_D)
+        q_base = Q + b.to(tl.int64) * stride_qb + (g * GROUP) * stride_qh
+        hh = tl.arange(0, GROUP_PAD)
+        hmask = hh < GROUP
 
-    if PRECISION == "fma":
-        dmask = d < HEAD_DIM
-        summary = page[:, None] * stride_sp + g * stride_sh + d[None, :]
-        smask = valid[:, None] & dmask[None, :]
-        # [NB, D], shared by the group, in the summaries' dtype (one tile: D_CHUNKS == 1)
-        kmax = tl.load(KMAX + summary, mask=smask, other=0.0)
-        kmin = tl.load(KMIN + summary, mask=smask, other=0.0)
-        kmax = kmax.to(tl.float32)  # bf16/fp16 summaries are widened to fp32 in registers
-        kmin = kmin.to(tl.float32)
-        # small groups: one multiply-add pass per query head (no padding of the group to 16)
-        score = tl.full([BLOCK_NB], float("-inf"), tl.float32)
-        for hh in tl.static_range(GROUP):
-            qh = tl.load(q_base + hh * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
-            bound_h = tl.sum(
-                kmax * tl.maximum(qh, 0.0)[None, :] + kmin * tl.minimum(qh, 0.0)[None, :], axis=1
-            )
-            score = tl.maximum(score, bound_h)
-    else:
-        # two GEMMs [G, D] x [D, NB] (G padded to the 16 rows tl.dot needs), over D_CHUNKS
-        # chunks of the head dim (one for D <= 256)
-        bound = tl.zeros([GROUP_PAD, BLOCK_NB], tl.float32)
-        for c in tl.static_range(D_CHUNKS):
-            dc = c * BLOCK_D + d
-            dmask = dc < HEAD_DIM
-            summary = page[:, None] * stride_sp + g * stride_sh + dc[None, :]
+        if PRECISION == "fma":
+            dmask = d < HEAD_DIM
+            summary = page[:, None] * stride_sp + g * stride_sh + d[None, :]
             smask = valid[:, None] & dmask[None, :]
-            # [NB, BLOCK_D], shared by the group, in the summaries' dtype
+            # [NB, D], shared by the group, in the summaries' dtype (one tile: D_CHUNKS == 1)
             kmax = tl.load(KMAX + summary, mask=smask, other=0.0)
             kmin = tl.load(KMIN + summary, mask=smask, other=0.0)
-            q = tl.load(
-                q_base + hh[:, None] * stride_qh + dc[None, :],
-                mask=hmask[:, None] & dmask[None, :],
-                other=0.0,
-            )
-            if PRECISION == "tc":
-                # tensor cores on the 16-bit operands as stored: q and the summaries are both
-                # bf16 (or both fp16), q+ / q- are exact in that dtype, every product is exact
-                # in fp32 and the GEMMs accumulate in fp32.
-                if INTERPRET:
-                    # Triton's CPU interpreter compares and multiplies bf16 as raw integer bit
-                    # patterns: the same (exact) values, widened to fp32
-                    q32 = q.to(tl.float32)
-                    q_pos, q_neg = tl.maximum(q32, 0.0), tl.minimum(q32, 0.0)
-                    kmax, kmin = kmax.to(tl.float32), kmin.to(tl.float32)
+            kmax = kmax.to(tl.float32)  # bf16/fp16 summaries are widened to fp32 in registers
+            kmin = kmin.to(tl.float32)
+            # small groups: one multiply-add pass per query head (no padding of the group to 16)
+            score = tl.full([BLOCK_NB], float("-inf"), tl.float32)
+            for hh in tl.static_range(GROUP):
+                qh = tl.load(q_base + hh * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
+                bound_h = tl.sum(
+                    kmax * tl.maximum(qh, 0.0)[None, :] + kmin * tl.minimum(qh, 0.0)[None, :],
+                    axis=1,
+                )
+                score = tl.maximum(score, bound_h)
+        else:
+            # two GEMMs [G, D] x [D, NB] (G padded to the 16 rows tl.dot needs), over D_CHUNKS
+            # chunks of the head dim (one for D <= 256)
+            bound = tl.zeros([GROUP_PAD, BLOCK_NB], tl.float32)
+            for c in tl.static_range(D_CHUNKS):
+                dc = c * BLOCK_D + d
+                dmask = dc < HEAD_DIM
+                summary = page[:, None] * stride_sp + g * stride_sh + dc[None, :]
+                smask = valid[:, None] & dmask[None, :]
+                # [NB, BLOCK_D], shared by the group, in the summaries' dtype
+                kmax = tl.load(KMAX + summary, mask=smask, other=0.0)
+                kmin = tl.load(KMIN + summary, mask=smask, other=0.0)
+                q = tl.load(
+                    q_base + hh[:, None] * stride_qh + dc[None, :],
+                    mask=hmask[:, None] & dmask[None, :],
+                    other=0.0,
+                )
+                if PRECISION == "tc":
+                    # tensor cores on the 16-bit operands as stored: q and the summaries are both
+                    # bf16 (or both fp16), q+ / q- are exact in that dtype, every product is exact
+                    # in fp32 and the GEMMs accumulate in fp32.
+                    if INTERPRET:
+                        # Triton's CPU interpreter compares and multiplies bf16 as raw integer bit
+                        # patterns: the same (exact) values, widened to fp32
+                        q32 = q.to(tl.float32)
+                        q_pos, q_neg = tl.maximum(q32, 0.0), tl.minimum(q32, 0.0)
+                        kmax, kmin = kmax.to(tl.float32), kmin.to(tl.float32)
+                    else:
+                        zero = tl.zeros_like(q)
+                        q_pos = tl.where(q > zero, q, zero)  # stays 16-bit, exact
+                        q_neg = tl.where(q < zero, q, zero)
+                    bound = tl.dot(q_pos, tl.trans(kmax), acc=bound)
+                    bound = tl.dot(q_neg, tl.trans(kmin), acc=bound)
                 else:
-                    zero = tl.zeros_like(q)
-                    q_pos = tl.where(q > zero, q, zero)  # stays 16-bit (packed max/min), exact
-                    q_neg = tl.where(q < zero, q, zero)
-                bound = tl.dot(q_pos, tl.trans(kmax), acc=bound)
-                bound = tl.dot(q_neg, tl.trans(kmin), acc=bound)
-            else:
-                q = q.to(tl.float32)
-                kmax = kmax.to(tl.float32)
-                kmin = kmin.to(tl.float32)
-                bound = tl.dot(tl.maximum(q, 0.0), tl.trans(kmax), acc=bound,
-                               input_precision=PRECISION)
-                bound = tl.dot(tl.minimum(q, 0.0), tl.trans(kmin), acc=bound,
-                               input_precision=PRECISION)
-        bound = tl.where(hmask[:, None], bound, float("-inf"))  # [GP, NB]
-        score = tl.max(bound, axis=0)
-    score = tl.where(valid, score, float("-inf"))
-    tl.store(OUT + b * stride_ob + g * stride_oh + j, score, mask=j < max_blocks)
+                    q = q.to(tl.float32)
+                    kmax = kmax.to(tl.float32)
+                    kmin = kmin.to(tl.float32)
+                    bound = tl.dot(tl.maximum(q, 0.0), tl.trans(kmax), acc=bound,
+                                   input_precision=PRECISION)
+                    bound = tl.dot(tl.minimum(q, 0.0), tl.trans(kmin), acc=bound,
+                                   input_precision=PRECISION)
+            bound = tl.where(hmask[:, None], bound, float("-inf"))  # [GP, NB]
+            score = tl.max(bound, axis=0)
+        score = tl.where(valid, score, float("-inf"))
+        tl.store(OUT + b * stride_ob + g * stride_oh + j, score, mask=j < max_blocks)
 
 
 def quest_block_scores_batched(
@@ -168,6 +185,8 @@ def quest_block_scores_batched(
     block_nb: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    heads_per_program: int = HEADS_PER_PROGRAM,
+    heads_fastest: bool = HEADS_FASTEST,
 ) -> Tensor:
     """Quest block scores of every request of a decode batch: float32 ``[B, Hkv, max_blocks]``.
 
@@ -187,7 +206,10 @@ def quest_block_scores_batched(
     smaller than 8 query heads of at most 256 dims and "ieee" for the others. ``block_nb``: blocks per program
     (default: 64 for 2-byte summaries with "fma"/"tc", otherwise 32); ``num_warps`` /
     ``num_stages``: the launch's (default: 4 warps for "tc" or small tiles, else 8; Triton's
-    default stages).
+    default stages). ``heads_per_program`` (a divisor of Hkv): kv heads one program scores
+    (sharing its page lookups, reading each page's summaries of those heads as one run);
+    ``heads_fastest``: the grid's fastest dimension is the kv heads, so the programs of one
+    request's heads run side by side (see ``HEADS_PER_PROGRAM`` for the measured defaults).
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = kmin.shape[1]
@@ -226,7 +248,11 @@ def quest_block_scores_batched(
         # warp-instructions per block at 64 vs 32 blocks; tc 39).
         block_nb = 64 if kmin.element_size() == 2 and precision in ("fma", "tc") else 32
     block_nb = min(block_nb, max(16, triton.next_power_of_2(max_blocks)))
-    grid = (batch, num_kv_heads, triton.cdiv(max_blocks, block_nb))
+    if heads_per_program < 1 or num_kv_heads % heads_per_program:
+        raise ValueError(f"heads_per_program {heads_per_program} must divide Hkv={num_kv_heads}")
+    head_programs = num_kv_heads // heads_per_program
+    tiles = triton.cdiv(max_blocks, block_nb)
+    grid = (head_programs, batch, tiles) if heads_fastest else (batch, head_programs, tiles)
     _quest_block_scores_kernel[grid](
         q,
         kmin,
@@ -254,6 +280,8 @@ def quest_block_scores_batched(
         BLOCK_NB=block_nb,
         PRECISION=precision,
         INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        HEADS_PER_PROGRAM=heads_per_program,
+        HEADS_FASTEST=heads_fastest,
         num_warps=num_warps or (4 if precision == "tc" or block_nb * block_d < 4096 else 8),
         **({} if num_stages is None else {"num_stages": num_stages}),
     )

@@ -133,3 +133,40 @@ def test_gpu_real_shapes(precision):
     q = random_values(gen, 4, 32, 128, dtype=torch.bfloat16, device="cuda")
     # fp32 sums of 128 products of magnitude ~O(1..10): tolerate fp32 reassociation
     _check(pb, q, sink=16, window=64, rtol=1e-5, atol=1e-3 * math.sqrt(128), precision=precision)
+
+
+def _layouts_agree(pb, q, common, precision):
+    want = quest_block_scores_batched(q, pb.kmin, pb.kmax, *common, precision=precision)
+    hkv = pb.kmin.shape[1]
+    for heads in [h for h in (1, 2, 4, 8) if hkv % h == 0]:
+        for fastest in (False, True):
+            got = quest_block_scores_batched(q, pb.kmin, pb.kmax, *common, precision=precision,
+                                             heads_per_program=heads, heads_fastest=fastest)
+            assert torch.equal(got, want), (heads, fastest)
+    return want
+
+
+@pytest.mark.parametrize("precision", ["fma", "tc"])
+def test_launch_layouts_give_the_same_scores(precision):
+    """Several kv heads per program, or the heads as the grid's fastest dimension, change where
+    each (request, kv head, tile) runs, not what it computes: the scores are bit-identical."""
+    gen = case_generator("block_scores_layouts", precision)
+    pb = make_paged_batch(gen, [45, 77, 9], 4, 32, 4, dtype=torch.bfloat16, device=DEVICE)
+    q = random_values(gen, 3, 8, 32, dtype=torch.bfloat16, device=DEVICE)
+    common = (pb.req_to_token, pb.req_pool_indices, pb.seq_lens, 4, 3, 5, pb.max_blocks)
+    _layouts_agree(pb, q, common, precision)
+    _check(pb, q, 3, 5, precision=precision)
+    with pytest.raises(ValueError, match="must divide"):
+        quest_block_scores_batched(q, pb.kmin, pb.kmax, *common, heads_per_program=3)
+
+
+@gpu
+@needs_cuda
+def test_gpu_launch_layouts_give_the_same_scores():
+    gen = case_generator("gpu-block-scores-layouts")
+    lens = [32768, 20000, 4099, 1]
+    pb = make_paged_batch(gen, lens, 8, 128, 32, dtype=torch.bfloat16, device="cuda",
+                          max_context=32768 + 64, summary_chunks=2)
+    q = random_values(gen, 4, 32, 128, dtype=torch.bfloat16, device="cuda")
+    common = (pb.req_to_token, pb.req_pool_indices, pb.seq_lens, 32, 16, 64, pb.max_blocks)
+    assert _layouts_agree(pb, q, common, "tc").isfinite().any()
