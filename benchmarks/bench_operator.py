@@ -80,6 +80,8 @@ def parse_args(argv=None):
                    help="also time ours with summaries in the other dtype")
     p.add_argument("--topk-radix-bits", type=int, default=8, choices=[5, 6, 7, 8],
                    help="digit width of the Triton radix top-k (see kernels/topk.py)")
+    p.add_argument("--assemble-tile", type=int, default=2048,
+                   help="slots the fused top-k's assembly writes per pass")
     p.add_argument("--fuse-assemble", action=argparse.BooleanOptionalAction, default=True,
                    help="run the last top-k and the slot assembly as one kernel (default: on)")
     p.add_argument("--block-score-precision", default="auto",
@@ -750,7 +752,8 @@ def run_benchmark(args, device: str = "cuda") -> dict:
                                            torch.bfloat16, topk_impl=impl,
                                            block_score_precision=precision,
                                            topk_radix_bits=args.topk_radix_bits,
-                                           fuse_assemble=args.fuse_assemble)
+                                           fuse_assemble=args.fuse_assemble,
+                                           assemble_tile=args.assemble_tile)
                 lo, hi = summaries[summary]
                 if select_only:
                     return lambda: select_slots_batched(
@@ -797,7 +800,8 @@ def run_benchmark(args, device: str = "cuda") -> dict:
                 stage_ws = SparseDecodeWorkspace(
                     batch, HQ, HKV, HEAD_DIM, params, max_blocks, dev, torch.bfloat16,
                     topk_impl=args.topk_impl, block_score_precision=block_precision,
-                    topk_radix_bits=args.topk_radix_bits, fuse_assemble=args.fuse_assemble)
+                    topk_radix_bits=args.topk_radix_bits, fuse_assemble=args.fuse_assemble,
+                    assemble_tile=args.assemble_tile)
                 stage_labels = labels if args.label_cache else None
                 stage_select = lambda: select_slots_batched(  # noqa: E731
                     q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, kmax, params,
@@ -863,6 +867,7 @@ def run_benchmark(args, device: str = "cuda") -> dict:
             "summary_dtype": args.summary_dtype,
             "topk_radix_bits": args.topk_radix_bits,
             "fuse_assemble": args.fuse_assemble,
+            "assemble_tile": args.assemble_tile,
             "label_cache": bool(args.label_cache and labels is not None),
             "flashinfer": {"page_size": args.fi_page_size, "layout": "NHD",
                            "use_tensor_cores": tensor_cores, "backend": "fa2"},

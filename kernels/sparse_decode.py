@@ -306,6 +306,8 @@ class SparseDecodeWorkspace:
     ``topk_radix_bits`` and ``block_score_precision`` pick the variants of :mod:`topk` and
     :mod:`block_scores`. ``fuse_assemble`` (Triton top-k only) runs the last top-k and the
     slot assembly as one kernel (one launch less per step); False keeps them separate.
+    ``assemble_tile``: slots the fused kernel assembles per pass (the whole list of up to
+    2048 in one: one chain of dependent loads, winner -> candidate block -> req_to_token).
     """
 
     def __init__(
@@ -323,6 +325,7 @@ class SparseDecodeWorkspace:
         block_score_precision: str | None = None,
         topk_radix_bits: int = 8,
         fuse_assemble: bool = True,
+        assemble_tile: int = 2048,
     ) -> None:
         if num_q_heads % num_kv_heads:
             raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
@@ -339,6 +342,9 @@ class SparseDecodeWorkspace:
         self.block_score_precision = block_score_precision
         self.topk_radix_bits = topk_radix_bits
         self.fuse_assemble = fuse_assemble and topk_impl == "triton"
+        if assemble_tile < 16 or assemble_tile & (assemble_tile - 1):
+            raise ValueError(f"assemble_tile must be a power of two >= 16, got {assemble_tile}")
+        self.assemble_tile = assemble_tile
         self.mode, self.k_blocks, self.k_tokens = _selection_plan(params, max_blocks)
 
         bs = params.block_size
@@ -581,10 +587,8 @@ def select_slots_batched(
                 fscores, *common[:8], fscores.stride(0), fscores.stride(1), *common[8:],
                 K_ROWS=slots if k_rows is None else k_rows, HAS_K_ROWS=k_rows is not None,
                 N_ROWS=slots if n_rows is None else n_rows, HAS_N_ROWS=n_rows is not None,
-                # the whole slot list (up to 2048) in one tile: one chain of dependent loads
-                # (winner -> candidate block -> req_to_token) instead of one per 1024 slots
-                ASM_BLOCK=min(2048, triton.next_power_of_2(params.budget)), EARLY_EXIT=True,
-                **consts,
+                ASM_BLOCK=min(ws.assemble_tile, triton.next_power_of_2(params.budget)),
+                EARLY_EXIT=True, **consts,
                 **topk_launch_config(fscores.shape[-1], k, ws.topk_radix_bits),
             )
         if locality is not None:

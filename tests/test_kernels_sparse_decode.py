@@ -235,9 +235,9 @@ def test_padding_entries_and_workspace_reuse():
 
 @pytest.mark.parametrize("method", ["quest", "ds", "two_level"])
 def test_unfused_assembly_and_radix_bits(method):
-    """The separate top-k + assembly launches (fuse_assemble=False), a 6-bit radix and the
-    tensor-core block scores give the oracle's sets too, and the same slots as the default
-    (fused, 8-bit, fma) path."""
+    """The separate top-k + assembly launches (fuse_assemble=False), a 6-bit radix, the
+    tensor-core block scores and the fused assembly in 16-slot passes give the oracle's sets
+    too, and the same slots as the default (fused, 8-bit, fma, one pass) path."""
     hq, hkv, d, bs = 6, 2, 32, 4
     params = SelectionParams(method, 24, bs, 4, 3, 5)
     gen = case_generator("unfused", method)
@@ -247,13 +247,15 @@ def test_unfused_assembly_and_radix_bits(method):
             params)
     default = select_slots_batched(*args).clone()
     for kw in (dict(fuse_assemble=False), dict(topk_radix_bits=6),
-               dict(block_score_precision="tc")):
+               dict(block_score_precision="tc"), dict(assemble_tile=16)):
         if method == "ds" and "block_score_precision" in kw:
             continue  # no block scores
         ws = SparseDecodeWorkspace(3, hq, hkv, d, params, pb.max_blocks, DEVICE, torch.bfloat16,
                                    **kw)
         _run_and_check(pb, q, params, None, workspace=ws)
         assert torch.equal(select_slots_batched(*args, workspace=ws), default)
+    with pytest.raises(ValueError, match="assemble_tile"):
+        SparseDecodeWorkspace(3, hq, hkv, d, params, pb.max_blocks, DEVICE, assemble_tile=100)
 
 
 def test_float32_summaries_select_the_same():
@@ -345,7 +347,8 @@ def test_gpu_selection_variants_same_slots(method):
                                        torch.bfloat16, **fma)).clone()
     for summaries, kw in (((pb.kmin.float(), pb.kmax.float()), {}),
                           ((pb.kmin, pb.kmax), dict(fuse_assemble=False)),
-                          ((pb.kmin, pb.kmax), dict(topk_radix_bits=6))):
+                          ((pb.kmin, pb.kmax), dict(topk_radix_bits=6)),
+                          ((pb.kmin, pb.kmax), dict(assemble_tile=1024))):
         ws = SparseDecodeWorkspace(4, 32, 8, 128, params, pb.max_blocks, "cuda", torch.bfloat16,
                                    **fma, **kw)
         got = select_slots_batched(*common, *summaries, params, channels=channels, workspace=ws)
