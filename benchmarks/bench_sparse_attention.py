@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warps", default="4,8")
     p.add_argument("--num-stages", default="2,3")
     p.add_argument("--early-v", default="0,1")
+    p.add_argument("--skip-pad-tiles", default="1",
+                   help="attention: 1 = branch over padding-only tiles (which keeps Triton from "
+                        "pipelining the loop's loads), 0 = masked loads only")
     p.add_argument("--block-nb", default="32,64,128", help="block scores: blocks per program")
     p.add_argument("--score-stages", default="2,3,4")
     p.add_argument("--heads-per-program", default="1",
@@ -82,10 +85,11 @@ def two_level_selection(torch, batch: int, num_kv_heads: int, selected: int, blo
 
 
 def attention_variants(args: argparse.Namespace) -> list[dict]:
-    return [dict(programs_per_sm=p, block_n=n, num_warps=w, num_stages=st, early_v=bool(e))
-            for p, n, w, st, e in itertools.product(
+    return [dict(programs_per_sm=p, block_n=n, num_warps=w, num_stages=st, early_v=bool(e),
+                 skip_pad_tiles=bool(sk))
+            for p, n, w, st, e, sk in itertools.product(
                 _ints(args.programs_per_sm), _ints(args.block_n), _ints(args.warps),
-                _ints(args.num_stages), _ints(args.early_v))]
+                _ints(args.num_stages), _ints(args.early_v), _ints(args.skip_pad_tiles))]
 
 
 def block_score_variants(args: argparse.Namespace) -> list[dict]:
@@ -138,7 +142,7 @@ def run_attention(torch, args, timer, failures: list[str]) -> list[dict]:
     for batch in _ints(args.batches):
         default = dict(programs_per_sm=sa.default_programs_per_sm(batch * HKV, sms), block_n=64,
                        num_warps=sa.DEFAULT_NUM_WARPS, num_stages=sa.DEFAULT_NUM_STAGES,
-                       early_v=sa.DEFAULT_EARLY_V)
+                       early_v=sa.DEFAULT_EARLY_V, skip_pad_tiles=sa.DEFAULT_SKIP_PAD_TILES)
         q = torch.randn(batch, HQ, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         sel = two_level_selection(torch, batch, HKV, args.selected, args.block_size,
                                   args.pool_tokens, gen).cuda()
@@ -150,6 +154,7 @@ def run_attention(torch, args, timer, failures: list[str]) -> list[dict]:
                                            block_n=var["block_n"])
             return lambda: sa.sparse_attention_batched(
                 q, k, v, sel, HEAD_DIM ** -0.5, num_splits=splits, early_v=var["early_v"],
+                skip_pad_tiles=var["skip_pad_tiles"],
                 block_n=var["block_n"], num_warps=var["num_warps"],
                 num_stages=var["num_stages"])
 
@@ -213,7 +218,8 @@ def variant_name(row: dict) -> str:
         return (f"nb{row['block_nb']} w{row['num_warps']} s{row['num_stages']} "
                 f"h{row.get('heads_per_program', 1)}{' hfast' if row.get('heads_fastest') else ''}")
     return (f"{row['programs_per_sm']}/SM n{row.get('block_n', 64)} w{row.get('num_warps', 4)} "
-            f"s{row.get('num_stages', 2)}{' earlyV' if row['early_v'] else ''}")
+            f"s{row.get('num_stages', 2)}{' earlyV' if row['early_v'] else ''}"
+            f"{' masked' if not row.get('skip_pad_tiles', True) else ''}")
 
 
 def best_by_case(rows: list[dict]) -> list[dict]:

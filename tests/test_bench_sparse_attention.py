@@ -52,9 +52,10 @@ def test_best_by_case_names_the_fastest_variant_and_its_gain_over_the_default():
 
 def test_variant_grid_is_the_product_of_the_options():
     args = parse_args(["--programs-per-sm", "2,8", "--block-n", "64", "--warps", "4,8",
-                       "--num-stages", "2", "--early-v", "0,1"])
+                       "--num-stages", "2", "--early-v", "0,1", "--skip-pad-tiles", "0,1"])
     grid = attention_variants(args)
-    assert len(grid) == 8 and len({tuple(sorted(v.items())) for v in grid}) == 8
+    assert len(grid) == 16 and len({tuple(sorted(v.items())) for v in grid}) == 16
+    assert {v["skip_pad_tiles"] for v in grid} == {False, True}
 
 
 def test_plot_writes_one_panel_per_stage(tmp_path: Path):
