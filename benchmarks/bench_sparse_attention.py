@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="block scores: kv heads per program (divisors of 8)")
     p.add_argument("--heads-fastest", default="0",
                    help="block scores: 1 = kv heads the grid's fastest dimension")
+    p.add_argument("--tiles-per-program", default="1",
+                   help="block scores: consecutive tiles per program (a pipelined loop)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     return p.parse_args(argv)
@@ -94,10 +96,11 @@ def attention_variants(args: argparse.Namespace) -> list[dict]:
 
 def block_score_variants(args: argparse.Namespace) -> list[dict]:
     return [dict(block_nb=n, num_warps=w, num_stages=st, heads_per_program=h,
-                 heads_fastest=bool(f))
-            for n, w, st, h, f in itertools.product(
+                 heads_fastest=bool(f), tiles_per_program=t)
+            for n, w, st, h, f, t in itertools.product(
                 _ints(args.block_nb), _ints(args.warps), _ints(args.score_stages),
-                _ints(args.heads_per_program), _ints(args.heads_fastest))]
+                _ints(args.heads_per_program), _ints(args.heads_fastest),
+                _ints(args.tiles_per_program))]
 
 
 def _timed_rows(timer, stage: str, batch: int, variants: list[dict], build, floor_ms: float,
@@ -170,7 +173,8 @@ def run_block_scores(torch, args, timer, failures: list[str]) -> list[dict]:
     bs, ctx = args.block_size, args.context
     max_blocks = ctx // bs
     default = dict(block_nb=64, num_warps=4, num_stages=None,
-                   heads_per_program=bsc.HEADS_PER_PROGRAM, heads_fastest=bsc.HEADS_FASTEST)
+                   heads_per_program=bsc.HEADS_PER_PROGRAM, heads_fastest=bsc.HEADS_FASTEST,
+                   tiles_per_program=bsc.TILES_PER_PROGRAM)
     rows = []
     for batch in _ints(args.batches):
         pages = batch * max_blocks
@@ -188,7 +192,8 @@ def run_block_scores(torch, args, timer, failures: list[str]) -> list[dict]:
                 q, kmin, kmax, req_to_token, rows_idx, seq_lens, bs, 16, 64, max_blocks,
                 block_nb=var["block_nb"], num_warps=var["num_warps"],
                 num_stages=var["num_stages"], heads_per_program=var["heads_per_program"],
-                heads_fastest=var["heads_fastest"])
+                heads_fastest=var["heads_fastest"],
+                tiles_per_program=var["tiles_per_program"])
 
         rows += _timed_rows(timer, "block_scores", batch, block_score_variants(args), build,
                             floor_ms, default, failures)
@@ -216,7 +221,8 @@ def run(args: argparse.Namespace) -> dict:
 def variant_name(row: dict) -> str:
     if row.get("stage", "attention") == "block_scores":
         return (f"nb{row['block_nb']} w{row['num_warps']} s{row['num_stages']} "
-                f"h{row.get('heads_per_program', 1)}{' hfast' if row.get('heads_fastest') else ''}")
+                f"h{row.get('heads_per_program', 1)}{' hfast' if row.get('heads_fastest') else ''}"
+                f" t{row.get('tiles_per_program', 1)}")
     return (f"{row['programs_per_sm']}/SM n{row.get('block_n', 64)} w{row.get('num_warps', 4)} "
             f"s{row.get('num_stages', 2)}{' earlyV' if row['early_v'] else ''}"
             f"{' masked' if not row.get('skip_pad_tiles', True) else ''}")

@@ -45,6 +45,8 @@ from sglang_ext.selection.reference import quest_block_scores
 # is not bound by where in DRAM its rows lie.
 HEADS_PER_PROGRAM = 1
 HEADS_FASTEST = False
+# Tiles per program: not measured yet (one, as the kernel has always run).
+TILES_PER_PROGRAM = 1
 
 
 @triton.jit
@@ -77,6 +79,7 @@ def _quest_block_scores_kernel(
     INTERPRET: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
+    TILES_PER_PROGRAM: tl.constexpr,
 ):
     if HEADS_FASTEST:  # the programs of one request's kv heads launch side by side
         g0 = tl.program_id(0) * HEADS_PER_PROGRAM
@@ -84,92 +87,98 @@ def _quest_block_scores_kernel(
     else:
         b = tl.program_id(0)
         g0 = tl.program_id(1) * HEADS_PER_PROGRAM
-    tile = tl.program_id(2)
+    tile0 = tl.program_id(2) * TILES_PER_PROGRAM
 
     row = tl.load(REQ_POOL_INDICES + b).to(tl.int64)
     seq_len = tl.load(SEQ_LENS + b).to(tl.int64)
     hi = seq_len - window  # the middle is [sink, hi)
 
-    j = tile * BLOCK_NB + tl.arange(0, BLOCK_NB)
-    # block j overlaps the (non-empty) middle
-    valid = (j < max_blocks) & (j * BLOCK_SIZE < hi) & ((j + 1) * BLOCK_SIZE > sink) & (hi > sink)
-    first_slot = tl.load(
-        REQ_TO_TOKEN + row * stride_r2t + j.to(tl.int64) * BLOCK_SIZE, mask=valid, other=0
-    )
-    page = first_slot.to(tl.int64) // BLOCK_SIZE
+    # Consecutive tiles of one row per program: a loop the compiler can software-pipeline
+    # (the next tile's page lookups and summary loads in flight beside this tile's GEMMs);
+    # one tile per program has only other programs to hide its two dependent loads.
+    for ti in range(TILES_PER_PROGRAM):
+        tile = tile0 + ti
+        j = tile * BLOCK_NB + tl.arange(0, BLOCK_NB)
+        # block j overlaps the (non-empty) middle
+        valid = ((j < max_blocks) & (j * BLOCK_SIZE < hi) & ((j + 1) * BLOCK_SIZE > sink)
+                 & (hi > sink))
+        first_slot = tl.load(
+            REQ_TO_TOKEN + row * stride_r2t + j.to(tl.int64) * BLOCK_SIZE, mask=valid, other=0
+        )
+        page = first_slot.to(tl.int64) // BLOCK_SIZE
 
-    # A page's summaries of all kv heads are adjacent ([num_pages, Hkv, D]): the heads of one
-    # program read them as one run of Hkv * D values per page, and share the page lookup.
-    for gi in tl.static_range(HEADS_PER_PROGRAM):
-        g = g0 + gi
-        d = tl.arange(0, BLOCK_D)
-        q_base = Q + b.to(tl.int64) * stride_qb + (g * GROUP) * stride_qh
-        hh = tl.arange(0, GROUP_PAD)
-        hmask = hh < GROUP
+        # A page's summaries of all kv heads are adjacent ([num_pages, Hkv, D]): the heads of
+        # one program read them as one run of Hkv * D values per page and share the lookup.
+        for gi in tl.static_range(HEADS_PER_PROGRAM):
+            g = g0 + gi
+            d = tl.arange(0, BLOCK_D)
+            q_base = Q + b.to(tl.int64) * stride_qb + (g * GROUP) * stride_qh
+            hh = tl.arange(0, GROUP_PAD)
+            hmask = hh < GROUP
 
-        if PRECISION == "fma":
-            dmask = d < HEAD_DIM
-            summary = page[:, None] * stride_sp + g * stride_sh + d[None, :]
-            smask = valid[:, None] & dmask[None, :]
-            # [NB, D], shared by the group, in the summaries' dtype (one tile: D_CHUNKS == 1)
-            kmax = tl.load(KMAX + summary, mask=smask, other=0.0)
-            kmin = tl.load(KMIN + summary, mask=smask, other=0.0)
-            kmax = kmax.to(tl.float32)  # bf16/fp16 summaries are widened to fp32 in registers
-            kmin = kmin.to(tl.float32)
-            # small groups: one multiply-add pass per query head (no padding of the group to 16)
-            score = tl.full([BLOCK_NB], float("-inf"), tl.float32)
-            for hh in tl.static_range(GROUP):
-                qh = tl.load(q_base + hh * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
-                bound_h = tl.sum(
-                    kmax * tl.maximum(qh, 0.0)[None, :] + kmin * tl.minimum(qh, 0.0)[None, :],
-                    axis=1,
-                )
-                score = tl.maximum(score, bound_h)
-        else:
-            # two GEMMs [G, D] x [D, NB] (G padded to the 16 rows tl.dot needs), over D_CHUNKS
-            # chunks of the head dim (one for D <= 256)
-            bound = tl.zeros([GROUP_PAD, BLOCK_NB], tl.float32)
-            for c in tl.static_range(D_CHUNKS):
-                dc = c * BLOCK_D + d
-                dmask = dc < HEAD_DIM
-                summary = page[:, None] * stride_sp + g * stride_sh + dc[None, :]
+            if PRECISION == "fma":
+                dmask = d < HEAD_DIM
+                summary = page[:, None] * stride_sp + g * stride_sh + d[None, :]
                 smask = valid[:, None] & dmask[None, :]
-                # [NB, BLOCK_D], shared by the group, in the summaries' dtype
+                # [NB, D], shared by the group, in the summaries' dtype (one tile: D_CHUNKS == 1)
                 kmax = tl.load(KMAX + summary, mask=smask, other=0.0)
                 kmin = tl.load(KMIN + summary, mask=smask, other=0.0)
-                q = tl.load(
-                    q_base + hh[:, None] * stride_qh + dc[None, :],
-                    mask=hmask[:, None] & dmask[None, :],
-                    other=0.0,
-                )
-                if PRECISION == "tc":
-                    # tensor cores on the 16-bit operands as stored: q and the summaries are both
-                    # bf16 (or both fp16), q+ / q- are exact in that dtype, every product is exact
-                    # in fp32 and the GEMMs accumulate in fp32.
-                    if INTERPRET:
-                        # Triton's CPU interpreter compares and multiplies bf16 as raw integer bit
-                        # patterns: the same (exact) values, widened to fp32
-                        q32 = q.to(tl.float32)
-                        q_pos, q_neg = tl.maximum(q32, 0.0), tl.minimum(q32, 0.0)
-                        kmax, kmin = kmax.to(tl.float32), kmin.to(tl.float32)
+                kmax = kmax.to(tl.float32)  # bf16/fp16 summaries are widened to fp32 in registers
+                kmin = kmin.to(tl.float32)
+                # small groups: one multiply-add pass per query head (no padding of the group to 16)
+                score = tl.full([BLOCK_NB], float("-inf"), tl.float32)
+                for hh in tl.static_range(GROUP):
+                    qh = tl.load(q_base + hh * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
+                    bound_h = tl.sum(
+                        kmax * tl.maximum(qh, 0.0)[None, :] + kmin * tl.minimum(qh, 0.0)[None, :],
+                        axis=1,
+                    )
+                    score = tl.maximum(score, bound_h)
+            else:
+                # two GEMMs [G, D] x [D, NB] (G padded to the 16 rows tl.dot needs), over D_CHUNKS
+                # chunks of the head dim (one for D <= 256)
+                bound = tl.zeros([GROUP_PAD, BLOCK_NB], tl.float32)
+                for c in tl.static_range(D_CHUNKS):
+                    dc = c * BLOCK_D + d
+                    dmask = dc < HEAD_DIM
+                    summary = page[:, None] * stride_sp + g * stride_sh + dc[None, :]
+                    smask = valid[:, None] & dmask[None, :]
+                    # [NB, BLOCK_D], shared by the group, in the summaries' dtype
+                    kmax = tl.load(KMAX + summary, mask=smask, other=0.0)
+                    kmin = tl.load(KMIN + summary, mask=smask, other=0.0)
+                    q = tl.load(
+                        q_base + hh[:, None] * stride_qh + dc[None, :],
+                        mask=hmask[:, None] & dmask[None, :],
+                        other=0.0,
+                    )
+                    if PRECISION == "tc":
+                        # tensor cores on the 16-bit operands as stored: q and the summaries
+                        # are both bf16 (or both fp16), q+ / q- are exact in that dtype, every
+                        # product is exact in fp32 and the GEMMs accumulate in fp32.
+                        if INTERPRET:
+                            # Triton's CPU interpreter compares and multiplies bf16 as raw
+                            # integer bit patterns: the same (exact) values, widened to fp32
+                            q32 = q.to(tl.float32)
+                            q_pos, q_neg = tl.maximum(q32, 0.0), tl.minimum(q32, 0.0)
+                            kmax, kmin = kmax.to(tl.float32), kmin.to(tl.float32)
+                        else:
+                            zero = tl.zeros_like(q)
+                            q_pos = tl.where(q > zero, q, zero)  # stays 16-bit, exact
+                            q_neg = tl.where(q < zero, q, zero)
+                        bound = tl.dot(q_pos, tl.trans(kmax), acc=bound)
+                        bound = tl.dot(q_neg, tl.trans(kmin), acc=bound)
                     else:
-                        zero = tl.zeros_like(q)
-                        q_pos = tl.where(q > zero, q, zero)  # stays 16-bit, exact
-                        q_neg = tl.where(q < zero, q, zero)
-                    bound = tl.dot(q_pos, tl.trans(kmax), acc=bound)
-                    bound = tl.dot(q_neg, tl.trans(kmin), acc=bound)
-                else:
-                    q = q.to(tl.float32)
-                    kmax = kmax.to(tl.float32)
-                    kmin = kmin.to(tl.float32)
-                    bound = tl.dot(tl.maximum(q, 0.0), tl.trans(kmax), acc=bound,
-                                   input_precision=PRECISION)
-                    bound = tl.dot(tl.minimum(q, 0.0), tl.trans(kmin), acc=bound,
-                                   input_precision=PRECISION)
-            bound = tl.where(hmask[:, None], bound, float("-inf"))  # [GP, NB]
-            score = tl.max(bound, axis=0)
-        score = tl.where(valid, score, float("-inf"))
-        tl.store(OUT + b * stride_ob + g * stride_oh + j, score, mask=j < max_blocks)
+                        q = q.to(tl.float32)
+                        kmax = kmax.to(tl.float32)
+                        kmin = kmin.to(tl.float32)
+                        bound = tl.dot(tl.maximum(q, 0.0), tl.trans(kmax), acc=bound,
+                                       input_precision=PRECISION)
+                        bound = tl.dot(tl.minimum(q, 0.0), tl.trans(kmin), acc=bound,
+                                       input_precision=PRECISION)
+                bound = tl.where(hmask[:, None], bound, float("-inf"))  # [GP, NB]
+                score = tl.max(bound, axis=0)
+            score = tl.where(valid, score, float("-inf"))
+            tl.store(OUT + b * stride_ob + g * stride_oh + j, score, mask=j < max_blocks)
 
 
 def quest_block_scores_batched(
@@ -190,6 +199,7 @@ def quest_block_scores_batched(
     num_stages: int | None = None,
     heads_per_program: int = HEADS_PER_PROGRAM,
     heads_fastest: bool = HEADS_FASTEST,
+    tiles_per_program: int = TILES_PER_PROGRAM,
 ) -> Tensor:
     """Quest block scores of every request of a decode batch: float32 ``[B, Hkv, max_blocks]``.
 
@@ -212,7 +222,9 @@ def quest_block_scores_batched(
     default stages). ``heads_per_program`` (a divisor of Hkv): kv heads one program scores
     (sharing its page lookups, reading each page's summaries of those heads as one run);
     ``heads_fastest``: the grid's fastest dimension is the kv heads, so the programs of one
-    request's heads run side by side (see ``HEADS_PER_PROGRAM`` for the measured defaults).
+    request's heads run side by side (see ``HEADS_PER_PROGRAM`` for the measured defaults);
+    ``tiles_per_program``: consecutive tiles of ``block_nb`` blocks one program walks in a loop
+    (software-pipelined over ``num_stages``).
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = kmin.shape[1]
@@ -253,8 +265,10 @@ def quest_block_scores_batched(
     block_nb = min(block_nb, max(16, triton.next_power_of_2(max_blocks)))
     if heads_per_program < 1 or num_kv_heads % heads_per_program:
         raise ValueError(f"heads_per_program {heads_per_program} must divide Hkv={num_kv_heads}")
+    if tiles_per_program < 1:
+        raise ValueError(f"tiles_per_program must be >= 1, got {tiles_per_program}")
     head_programs = num_kv_heads // heads_per_program
-    tiles = triton.cdiv(max_blocks, block_nb)
+    tiles = triton.cdiv(triton.cdiv(max_blocks, block_nb), tiles_per_program)
     grid = (head_programs, batch, tiles) if heads_fastest else (batch, head_programs, tiles)
     _quest_block_scores_kernel[grid](
         q,
@@ -285,6 +299,7 @@ def quest_block_scores_batched(
         INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
         HEADS_PER_PROGRAM=heads_per_program,
         HEADS_FASTEST=heads_fastest,
+        TILES_PER_PROGRAM=tiles_per_program,
         num_warps=num_warps or (4 if precision == "tc" or block_nb * block_d < 4096 else 8),
         **({} if num_stages is None else {"num_stages": num_stages}),
     )

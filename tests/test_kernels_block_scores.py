@@ -143,13 +143,18 @@ def _layouts_agree(pb, q, common, precision):
             got = quest_block_scores_batched(q, pb.kmin, pb.kmax, *common, precision=precision,
                                              heads_per_program=heads, heads_fastest=fastest)
             assert torch.equal(got, want), (heads, fastest)
+    for tiles in (2, 3):  # a loop over consecutive tiles, the last one partly past max_blocks
+        got = quest_block_scores_batched(q, pb.kmin, pb.kmax, *common, precision=precision,
+                                         block_nb=16, tiles_per_program=tiles)
+        assert torch.equal(got, want), tiles
     return want
 
 
 @pytest.mark.parametrize("precision", ["fma", "tc"])
 def test_launch_layouts_give_the_same_scores(precision):
-    """Several kv heads per program, or the heads as the grid's fastest dimension, change where
-    each (request, kv head, tile) runs, not what it computes: the scores are bit-identical."""
+    """Several kv heads per program, the heads as the grid's fastest dimension, or several tiles
+    per program change where each (request, kv head, tile) runs, not what it computes: the
+    scores are bit-identical."""
     gen = case_generator("block_scores_layouts", precision)
     pb = make_paged_batch(gen, [45, 77, 9], 4, 32, 4, dtype=torch.bfloat16, device=DEVICE)
     q = random_values(gen, 3, 8, 32, dtype=torch.bfloat16, device=DEVICE)
@@ -158,6 +163,8 @@ def test_launch_layouts_give_the_same_scores(precision):
     _check(pb, q, 3, 5, precision=precision)
     with pytest.raises(ValueError, match="must divide"):
         quest_block_scores_batched(q, pb.kmin, pb.kmax, *common, heads_per_program=3)
+    with pytest.raises(ValueError, match="tiles_per_program"):
+        quest_block_scores_batched(q, pb.kmin, pb.kmax, *common, tiles_per_program=0)
 
 
 @gpu
