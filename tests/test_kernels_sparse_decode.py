@@ -258,6 +258,23 @@ def test_unfused_assembly_and_radix_bits(method):
         SparseDecodeWorkspace(3, hq, hkv, d, params, pb.max_blocks, DEVICE, assemble_tile=100)
 
 
+def test_output_goes_where_the_caller_asks():
+    """``out=``: the attention writes the caller's tensor (each layer's own, no copy) and the
+    values equal those left in the workspace's shared buffer."""
+    hq, hkv, d, bs = 6, 2, 32, 4
+    params = SelectionParams("two_level", 24, bs, 4, 3, 5)
+    gen = case_generator("decode-out")
+    pb = make_paged_batch(gen, [20, 61, 90], hkv, d, bs, dtype=torch.bfloat16, device=DEVICE)
+    q = random_values(gen, 3, hq, d, dtype=torch.bfloat16, device=DEVICE)
+    ws = SparseDecodeWorkspace(3, hq, hkv, d, params, pb.max_blocks, DEVICE, torch.bfloat16)
+    args = (q, pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens,
+            pb.kmin, pb.kmax, params, d ** -0.5)
+    shared = sparse_decode_batched(*args, workspace=ws).clone()
+    mine = torch.full_like(shared, float("nan"))
+    got = sparse_decode_batched(*args, workspace=ws, out=mine)
+    assert got.data_ptr() == mine.data_ptr() and torch.equal(mine, shared)
+
+
 def test_float32_summaries_select_the_same():
     """Summaries kept in float32 instead of the KV dtype (bf16): identical block scores, so
     identical selections (bf16 min/max are exact)."""
