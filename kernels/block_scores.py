@@ -95,7 +95,8 @@ def _quest_block_scores_kernel(
 
     # Consecutive tiles of one row per program: a loop the compiler can software-pipeline
     # (the next tile's page lookups and summary loads in flight beside this tile's GEMMs);
-    # one tile per program has only other programs to hide its two dependent loads.
+    # one tile per program has only other programs to hide its two dependent loads (the
+    # default, TILES_PER_PROGRAM = 1: a one-trip loop, which MLIR's canonicalizer inlines).
     for ti in range(TILES_PER_PROGRAM):
         tile = tile0 + ti
         j = tile * BLOCK_NB + tl.arange(0, BLOCK_NB)
