@@ -80,8 +80,9 @@ def parse_args(argv=None):
                    help="also time ours with summaries in the other dtype")
     p.add_argument("--topk-radix-bits", type=int, default=8, choices=[5, 6, 7, 8],
                    help="digit width of the Triton radix top-k (see kernels/topk.py)")
-    p.add_argument("--assemble-tile", type=int, default=2048,
-                   help="slots the fused top-k's assembly writes per pass")
+    p.add_argument("--assemble-tile", type=int, default=None,
+                   help="slots the fused top-k's assembly writes per pass (default: "
+                        "kernels/sparse_decode.py's ASSEMBLE_TILE)")
     p.add_argument("--fuse-assemble", action=argparse.BooleanOptionalAction, default=True,
                    help="run the last top-k and the slot assembly as one kernel (default: on)")
     p.add_argument("--block-score-precision", default="auto",
@@ -674,12 +675,15 @@ def run_benchmark(args, device: str = "cuda") -> dict:
     import torch
 
     from sglang_ext.kernels.sparse_decode import (
+        ASSEMBLE_TILE,
         SparseDecodeWorkspace,
         select_slots_batched,
         sparse_decode_batched,
     )
 
     t_start = time.time()
+    if args.assemble_tile is None:
+        args.assemble_tile = ASSEMBLE_TILE
     contexts = [int(x) for x in args.contexts.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     params = selection_params(args)

@@ -172,11 +172,14 @@ def run_block_scores(torch, args, timer, failures: list[str]) -> list[dict]:
 
     bs, ctx = args.block_size, args.context
     max_blocks = ctx // bs
-    default = dict(block_nb=64, num_warps=4, num_stages=None,
-                   heads_per_program=bsc.HEADS_PER_PROGRAM, heads_fastest=bsc.HEADS_FASTEST,
-                   tiles_per_program=bsc.TILES_PER_PROGRAM)
     rows = []
     for batch in _ints(args.batches):
+        # what quest_block_scores_batched picks by itself for bf16 summaries on tensor cores
+        default = dict(block_nb=bsc.TC_BLOCK_NB, num_warps=4, num_stages=bsc.TC_NUM_STAGES,
+                       heads_per_program=bsc.HEADS_PER_PROGRAM, heads_fastest=bsc.HEADS_FASTEST,
+                       tiles_per_program=bsc.default_tiles_per_program(
+                           batch, HKV // bsc.HEADS_PER_PROGRAM,
+                           -(-max_blocks // bsc.TC_BLOCK_NB), "cuda"))
         pages = batch * max_blocks
         kmin = torch.randn(pages, HKV, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         kmax = kmin + torch.rand_like(kmin)

@@ -45,8 +45,32 @@ from sglang_ext.selection.reference import quest_block_scores
 # is not bound by where in DRAM its rows lie.
 HEADS_PER_PROGRAM = 1
 HEADS_FASTEST = False
-# Tiles per program: not measured yet (one, as the kernel has always run).
-TILES_PER_PROGRAM = 1
+# Tensor-core launch (bf16/fp16 summaries, precision "tc"): 32 blocks per tile, 3 pipeline
+# stages, up to 8 consecutive tiles per program while the grid still gives every SM
+# MIN_PROGRAMS_PER_SM programs. At 19 requests x 32k, block 32: 32.2 us against 37.3 us for
+# the former 64 blocks x 1 tile (nb32 s3: 35.2 / 33.2 / 33.0 / 32.2 us at 1 / 2 / 4 / 8 tiles;
+# nb64: 34.5-39.2 us; sparse_attention_h200_pipelining_b19.json, CUDA graphs, L2 flushed).
+TC_BLOCK_NB = 32
+TC_NUM_STAGES = 3
+MAX_TILES_PER_PROGRAM = 8
+MIN_PROGRAMS_PER_SM = 4
+
+
+def default_tiles_per_program(batch: int, head_programs: int, block_tiles: int,
+                              device=None) -> int:
+    """Tiles one program walks: the largest power of two up to ``MAX_TILES_PER_PROGRAM`` that
+    leaves ``MIN_PROGRAMS_PER_SM`` programs per SM (a short or small batch keeps one tile per
+    program, so that it still spreads over the GPU). Depends only on shapes: CUDA-graph safe."""
+    if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        sms = 4
+    tiles = 1
+    while (tiles < MAX_TILES_PER_PROGRAM
+           and batch * head_programs * triton.cdiv(block_tiles, 2 * tiles)
+           >= MIN_PROGRAMS_PER_SM * sms):
+        tiles *= 2
+    return tiles
 
 
 @triton.jit
@@ -95,8 +119,9 @@ def _quest_block_scores_kernel(
 
     # Consecutive tiles of one row per program: a loop the compiler can software-pipeline
     # (the next tile's page lookups and summary loads in flight beside this tile's GEMMs);
-    # one tile per program has only other programs to hide its two dependent loads (the
-    # default, TILES_PER_PROGRAM = 1: a one-trip loop, which MLIR's canonicalizer inlines).
+    # one tile per program (small grids, see default_tiles_per_program) has only other
+    # programs to hide its two dependent loads (a one-trip loop, which MLIR's canonicalizer
+    # inlines).
     for ti in range(TILES_PER_PROGRAM):
         tile = tile0 + ti
         j = tile * BLOCK_NB + tl.arange(0, BLOCK_NB)
@@ -200,7 +225,7 @@ def quest_block_scores_batched(
     num_stages: int | None = None,
     heads_per_program: int = HEADS_PER_PROGRAM,
     heads_fastest: bool = HEADS_FASTEST,
-    tiles_per_program: int = TILES_PER_PROGRAM,
+    tiles_per_program: int | None = None,
 ) -> Tensor:
     """Quest block scores of every request of a decode batch: float32 ``[B, Hkv, max_blocks]``.
 
@@ -218,14 +243,14 @@ def quest_block_scores_batched(
     summaries share a 16-bit dtype (the block scores as GEMMs: measured 5-15% faster per decode
     step at 128k, see benchmarks/results/operator_h200*.json), otherwise "fma" for groups
     smaller than 8 query heads of at most 256 dims and "ieee" for the others. ``block_nb``: blocks per program
-    (default: 64 for 2-byte summaries with "fma"/"tc", otherwise 32); ``num_warps`` /
-    ``num_stages``: the launch's (default: 4 warps for "tc" or small tiles, else 8; Triton's
-    default stages). ``heads_per_program`` (a divisor of Hkv): kv heads one program scores
+    (default: ``TC_BLOCK_NB`` for "tc", 64 for 2-byte summaries with "fma", otherwise 32);
+    ``num_warps`` / ``num_stages``: the launch's (default: 4 warps for "tc" or small tiles, else
+    8; ``TC_NUM_STAGES`` for "tc", else Triton's default stages). ``heads_per_program`` (a divisor of Hkv): kv heads one program scores
     (sharing its page lookups, reading each page's summaries of those heads as one run);
     ``heads_fastest``: the grid's fastest dimension is the kv heads, so the programs of one
     request's heads run side by side (see ``HEADS_PER_PROGRAM`` for the measured defaults);
     ``tiles_per_program``: consecutive tiles of ``block_nb`` blocks one program walks in a loop
-    (software-pipelined over ``num_stages``).
+    (software-pipelined over ``num_stages``; default :func:`default_tiles_per_program`).
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = kmin.shape[1]
@@ -260,16 +285,22 @@ def quest_block_scores_batched(
         return out
     if block_nb is None:
         # 16 KB of each summary tensor per program (the measured float32 configuration); for
-        # 2-byte summaries that also means fewer instructions per block (SASS: fma 120 vs 148
-        # warp-instructions per block at 64 vs 32 blocks; tc 39).
-        block_nb = 64 if kmin.element_size() == 2 and precision in ("fma", "tc") else 32
+        # 2-byte summaries with "fma" that also means fewer instructions per block (SASS: 120
+        # vs 148 warp-instructions per block at 64 vs 32 blocks). Tensor cores: TC_BLOCK_NB.
+        block_nb = (TC_BLOCK_NB if precision == "tc"
+                    else 64 if kmin.element_size() == 2 and precision == "fma" else 32)
+    if num_stages is None and precision == "tc":
+        num_stages = TC_NUM_STAGES
     block_nb = min(block_nb, max(16, triton.next_power_of_2(max_blocks)))
     if heads_per_program < 1 or num_kv_heads % heads_per_program:
         raise ValueError(f"heads_per_program {heads_per_program} must divide Hkv={num_kv_heads}")
+    head_programs = num_kv_heads // heads_per_program
+    block_tiles = triton.cdiv(max_blocks, block_nb)
+    if tiles_per_program is None:
+        tiles_per_program = default_tiles_per_program(batch, head_programs, block_tiles, q.device)
     if tiles_per_program < 1:
         raise ValueError(f"tiles_per_program must be >= 1, got {tiles_per_program}")
-    head_programs = num_kv_heads // heads_per_program
-    tiles = triton.cdiv(triton.cdiv(max_blocks, block_nb), tiles_per_program)
+    tiles = triton.cdiv(block_tiles, tiles_per_program)
     grid = (head_programs, batch, tiles) if heads_fastest else (batch, head_programs, tiles)
     _quest_block_scores_kernel[grid](
         q,

@@ -52,11 +52,17 @@ PROGRAMS_PER_SM = 2
 # A batch with at most FEW_ROWS_PER_SM (request, kv head) rows per SM aims for more splits: at
 # 4 and 17 requests x 8 kv heads on 132 SMs, 8 programs per SM took 21.5 / 64.9 us per layer
 # against 2's 24.9 / 74.0; at 30 requests 2 stays faster (86.1 against 94.3 us;
-# benchmarks/results/sparse_attention_h200.json, CUDA graphs, L2 flushed).
+# benchmarks/results/sparse_attention_h200.json, CUDA graphs, L2 flushed). Without the
+# padding-tile branch (below), 4 programs per SM beat 8 at 19 requests: 56.4 against 58.8 us
+# (sparse_attention_h200_pipelining_b19.json).
 FEW_ROWS_PER_SM = 1.5
-FEW_ROWS_PROGRAMS_PER_SM = 8
+FEW_ROWS_PROGRAMS_PER_SM = 4
 DEFAULT_EARLY_V = False
-DEFAULT_SKIP_PAD_TILES = True
+# Tiles of padding only (a selection shorter than the budget) are computed masked rather than
+# skipped by a branch: the branch keeps Triton from pipelining the tile loop, and long
+# requests, whose tiles are all full, paid for it: at 19 requests x 32k 56.4 against 79.4 us
+# at 4 programs per SM, 58.8 against 61.6 at 8 (sparse_attention_h200_pipelining_b19.json).
+DEFAULT_SKIP_PAD_TILES = False
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 2
 

@@ -143,10 +143,14 @@ def _layouts_agree(pb, q, common, precision):
             got = quest_block_scores_batched(q, pb.kmin, pb.kmax, *common, precision=precision,
                                              heads_per_program=heads, heads_fastest=fastest)
             assert torch.equal(got, want), (heads, fastest)
-    for tiles in (2, 3):  # a loop over consecutive tiles, the last one partly past max_blocks
+    # a loop over consecutive tiles, the last one partly past max_blocks (one tile width: the
+    # tile's GEMM shape may change the summation order)
+    one_tile = quest_block_scores_batched(q, pb.kmin, pb.kmax, *common, precision=precision,
+                                          block_nb=16, tiles_per_program=1)
+    for tiles in (2, 3):
         got = quest_block_scores_batched(q, pb.kmin, pb.kmax, *common, precision=precision,
                                          block_nb=16, tiles_per_program=tiles)
-        assert torch.equal(got, want), tiles
+        assert torch.equal(got, one_tile), tiles
     return want
 
 
@@ -165,6 +169,24 @@ def test_launch_layouts_give_the_same_scores(precision):
         quest_block_scores_batched(q, pb.kmin, pb.kmax, *common, heads_per_program=3)
     with pytest.raises(ValueError, match="tiles_per_program"):
         quest_block_scores_batched(q, pb.kmin, pb.kmax, *common, tiles_per_program=0)
+
+
+def test_default_tiles_per_program_keeps_the_gpu_busy():
+    """Long rows of a large batch walk up to MAX_TILES_PER_PROGRAM tiles per program; a grid
+    that would then leave fewer than MIN_PROGRAMS_PER_SM programs per SM walks fewer."""
+    from sglang_ext.kernels import block_scores as bsc
+
+    sms = 4  # what the helper assumes without a GPU
+    floor = bsc.MIN_PROGRAMS_PER_SM * sms
+    assert bsc.default_tiles_per_program(19, 8, 1024, "cpu") == bsc.MAX_TILES_PER_PROGRAM
+    assert bsc.default_tiles_per_program(1, 1, 1, "cpu") == 1
+    for batch, heads, tiles in ((1, 2, 16), (2, 8, 3), (3, 4, 40), (1, 1, 7)):
+        got = bsc.default_tiles_per_program(batch, heads, tiles, "cpu")
+        assert got & (got - 1) == 0 and 1 <= got <= bsc.MAX_TILES_PER_PROGRAM
+        programs = batch * heads * -(-tiles // got)
+        assert got == 1 or programs >= floor, (batch, heads, tiles, got)
+        if got < bsc.MAX_TILES_PER_PROGRAM:  # one more doubling would starve the SMs
+            assert batch * heads * -(-tiles // (2 * got)) < floor, (batch, heads, tiles, got)
 
 
 @gpu

@@ -112,10 +112,17 @@ def test_split_layout_follows_the_tile_size():
 
 
 def test_few_rows_aim_for_more_programs_and_splits_only_fall_with_the_batch():
-    from sglang_ext.kernels.sparse_attention import default_num_splits, default_programs_per_sm
+    from sglang_ext.kernels.sparse_attention import (
+        FEW_ROWS_PROGRAMS_PER_SM,
+        PROGRAMS_PER_SM,
+        default_num_splits,
+        default_programs_per_sm,
+    )
 
-    assert default_programs_per_sm(136, 132) == 8  # 17 requests x 8 kv heads on an H200
-    assert default_programs_per_sm(240, 132) == 2  # 30 requests
+    assert FEW_ROWS_PROGRAMS_PER_SM > PROGRAMS_PER_SM
+    # 17 requests x 8 kv heads on an H200
+    assert default_programs_per_sm(136, 132) == FEW_ROWS_PROGRAMS_PER_SM
+    assert default_programs_per_sm(240, 132) == PROGRAMS_PER_SM  # 30 requests
     # the workspace sizes its partial buffers for batch 1: no batch may need more splits
     splits = [default_num_splits(b, 2, 2048, "cpu") for b in range(1, 40)]
     assert all(a >= b for a, b in zip(splits, splits[1:]))
