@@ -34,7 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sglang_ext.kernels.block_summary import SUMMARY_DTYPES as _SUMMARY_DTYPES
-from sglang_ext.kernels.sparse_attention import head_dim_tiling
+from sglang_ext.kernels.sparse_attention import head_dim_tiling, sm_count
 from sglang_ext.selection.reference import quest_block_scores
 
 # Launch layout defaults (benchmarks/bench_sparse_attention.py, stage block_scores): kv heads
@@ -61,10 +61,7 @@ def default_tiles_per_program(batch: int, head_programs: int, block_tiles: int,
     """Tiles one program walks: the largest power of two up to ``MAX_TILES_PER_PROGRAM`` that
     leaves ``MIN_PROGRAMS_PER_SM`` programs per SM (a short or small batch keeps one tile per
     program, so that it still spreads over the GPU). Depends only on shapes: CUDA-graph safe."""
-    if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        sms = 4
+    sms = sm_count(device)
     tiles = 1
     while (tiles < MAX_TILES_PER_PROGRAM
            and batch * head_programs * triton.cdiv(block_tiles, 2 * tiles)
@@ -245,8 +242,8 @@ def quest_block_scores_batched(
     smaller than 8 query heads of at most 256 dims and "ieee" for the others. ``block_nb``: blocks per program
     (default: ``TC_BLOCK_NB`` for "tc", 64 for 2-byte summaries with "fma", otherwise 32);
     ``num_warps`` / ``num_stages``: the launch's (default: 4 warps for "tc" or small tiles, else
-    8; ``TC_NUM_STAGES`` for "tc", else Triton's default stages). ``heads_per_program`` (a divisor of Hkv): kv heads one program scores
-    (sharing its page lookups, reading each page's summaries of those heads as one run);
+    8; ``TC_NUM_STAGES`` for "tc", else Triton's default stages). ``heads_per_program`` (a
+    divisor of Hkv): kv heads one program scores (sharing its page lookups, reading each page's summaries of those heads as one run);
     ``heads_fastest``: the grid's fastest dimension is the kv heads, so the programs of one
     request's heads run side by side (see ``HEADS_PER_PROGRAM`` for the measured defaults);
     ``tiles_per_program``: consecutive tiles of ``block_nb`` blocks one program walks in a loop

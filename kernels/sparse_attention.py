@@ -27,6 +27,8 @@ tile, the tile sizes as before).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -291,16 +293,28 @@ def _sparse_attn_merge_kernel(
     tl.store(LSE + b * stride_lb + h, lse)
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def sm_count(device=None) -> int:
+    """SMs of a CUDA ``device`` (cached: launch defaults ask on every call); 4 elsewhere, so
+    that CPU runs (TRITON_INTERPRET) still exercise multi-program grids."""
+    if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
+        dev = torch.device(device)
+        return _cuda_sm_count(dev if dev.index is not None
+                              else torch.device("cuda", torch.cuda.current_device()))
+    return 4
+
+
 def default_num_splits(batch: int, num_kv_heads: int, num_selected: int, device=None,
                        programs_per_sm: int | None = None, block_n: int = _BLOCK_N) -> int:
     """Static split count: enough (request, kv head, split) programs to fill the GPU
     ``programs_per_sm`` times (default: :func:`default_programs_per_sm`), each with at least
     one ``block_n`` tile. Depends only on shapes (CUDA-graph safe)."""
     max_splits = max(1, triton.cdiv(num_selected, block_n))
-    if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        sms = 4
+    sms = sm_count(device)
     per_sm = (default_programs_per_sm(batch * num_kv_heads, sms) if programs_per_sm is None
               else programs_per_sm)
     want = triton.cdiv(per_sm * sms, max(1, batch * num_kv_heads))

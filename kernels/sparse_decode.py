@@ -70,11 +70,11 @@ from sglang_ext.selection.reference import (
     sparse_attention_with_lse,
 )
 
-# How the selected part of the slot list is read back from the top-k results.
 # Slots the fused top-k + assembly kernel assembles per pass. At 19 requests x 32k, block 32,
 # budget 2048: 1024 took 14.5 us per layer against 20.8 us for the whole list in one pass
 # (operator_h200_bs32_b19_asm1024.json / _asm2048.json, CUDA graphs).
 ASSEMBLE_TILE = 1024
+# How the selected part of the slot list is read back from the top-k results.
 _MODE_NONE = 0  # nothing selected (n_sel == 0, or quest with n_sel < bs)
 _MODE_BLOCKS = 1  # quest: top block ids; slot j -> block top[j // bs], offset j % bs
 _MODE_CAND_TOKENS = 2  # two_level: top indices into the candidate tokens (cand[i // bs], i % bs)
