@@ -46,6 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--selected", type=int, default=2048, help="slots per (request, kv head)")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--context", type=int, default=32768, help="block scores: tokens per request")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="block scores: the static context the grid covers (a server's "
+                        "--context-length; default --context)")
     p.add_argument("--pool-tokens", type=int, default=640_000, help="one layer's KV slots")
     p.add_argument("--programs-per-sm", default="2,4,8")
     p.add_argument("--block-n", default="32,64,128", help="attention: slots per tile")
@@ -61,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="block scores: kv heads per program (divisors of 8)")
     p.add_argument("--heads-fastest", default="0",
                    help="block scores: 1 = kv heads the grid's fastest dimension")
+    p.add_argument("--skip-dead-tiles", default="1",
+                   help="block scores: 1 = stop at each request's last block, 0 = compute the "
+                        "whole static grid masked")
     p.add_argument("--tiles-per-program", default="1",
                    help="block scores: consecutive tiles per program (a pipelined loop)")
     p.add_argument("--iters", type=int, default=20)
@@ -96,11 +102,11 @@ def attention_variants(args: argparse.Namespace) -> list[dict]:
 
 def block_score_variants(args: argparse.Namespace) -> list[dict]:
     return [dict(block_nb=n, num_warps=w, num_stages=st, heads_per_program=h,
-                 heads_fastest=bool(f), tiles_per_program=t)
-            for n, w, st, h, f, t in itertools.product(
+                 heads_fastest=bool(f), tiles_per_program=t, skip_dead_tiles=bool(sd))
+            for n, w, st, h, f, t, sd in itertools.product(
                 _ints(args.block_nb), _ints(args.warps), _ints(args.score_stages),
                 _ints(args.heads_per_program), _ints(args.heads_fastest),
-                _ints(args.tiles_per_program))]
+                _ints(args.tiles_per_program), _ints(args.skip_dead_tiles))]
 
 
 def _timed_rows(timer, stage: str, batch: int, variants: list[dict], build, floor_ms: float,
@@ -171,7 +177,8 @@ def run_block_scores(torch, args, timer, failures: list[str]) -> list[dict]:
     from sglang_ext.kernels import block_scores as bsc
 
     bs, ctx = args.block_size, args.context
-    max_blocks = ctx // bs
+    max_ctx = max(args.max_context or ctx, ctx)
+    max_blocks = -(-max_ctx // bs)  # the static grid, as the server's workspace sizes it
     rows = []
     for batch in _ints(args.batches):
         # what quest_block_scores_batched picks by itself for bf16 summaries on tensor cores
@@ -179,12 +186,15 @@ def run_block_scores(torch, args, timer, failures: list[str]) -> list[dict]:
                        heads_per_program=bsc.HEADS_PER_PROGRAM, heads_fastest=bsc.HEADS_FASTEST,
                        tiles_per_program=bsc.default_tiles_per_program(
                            batch, HKV // bsc.HEADS_PER_PROGRAM,
-                           -(-max_blocks // bsc.TC_BLOCK_NB), "cuda"))
-        pages = batch * max_blocks
+                           -(-max_blocks // bsc.TC_BLOCK_NB), "cuda"),
+                       skip_dead_tiles=True)
+        pages = batch * -(-ctx // bs)
         kmin = torch.randn(pages, HKV, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         kmax = kmin + torch.rand_like(kmin)
-        # each request's pages contiguous, as after a fresh prefill
-        req_to_token = torch.arange(batch * ctx, dtype=torch.int32, device="cuda").view(batch, ctx)
+        # each request's pages contiguous, as after a fresh prefill; columns past ctx unused
+        req_to_token = torch.zeros(batch, max_ctx, dtype=torch.int32, device="cuda")
+        req_to_token[:, :ctx] = torch.arange(batch * ctx, dtype=torch.int32,
+                                             device="cuda").view(batch, ctx)
         rows_idx = torch.arange(batch, dtype=torch.int64, device="cuda")
         seq_lens = torch.full((batch,), ctx, dtype=torch.int64, device="cuda")
         q = torch.randn(batch, HQ, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
@@ -196,7 +206,8 @@ def run_block_scores(torch, args, timer, failures: list[str]) -> list[dict]:
                 block_nb=var["block_nb"], num_warps=var["num_warps"],
                 num_stages=var["num_stages"], heads_per_program=var["heads_per_program"],
                 heads_fastest=var["heads_fastest"],
-                tiles_per_program=var["tiles_per_program"])
+                tiles_per_program=var["tiles_per_program"],
+                skip_dead_tiles=var["skip_dead_tiles"])
 
         rows += _timed_rows(timer, "block_scores", batch, block_score_variants(args), build,
                             floor_ms, default, failures)
@@ -225,7 +236,8 @@ def variant_name(row: dict) -> str:
     if row.get("stage", "attention") == "block_scores":
         return (f"nb{row['block_nb']} w{row['num_warps']} s{row['num_stages']} "
                 f"h{row.get('heads_per_program', 1)}{' hfast' if row.get('heads_fastest') else ''}"
-                f" t{row.get('tiles_per_program', 1)}")
+                f" t{row.get('tiles_per_program', 1)}"
+                f"{' whole-grid' if not row.get('skip_dead_tiles', False) else ''}")
     return (f"{row['programs_per_sm']}/SM n{row.get('block_n', 64)} w{row.get('num_warps', 4)} "
             f"s{row.get('num_stages', 2)}{' earlyV' if row['early_v'] else ''}"
             f"{' masked' if not row.get('skip_pad_tiles', True) else ''}")
@@ -285,13 +297,16 @@ def main(argv: list[str] | None = None) -> int:
                 config=dict(q_heads=32, kv_heads=8, head_dim=128, dtype="bf16",
                             selected=args.selected, block_size=args.block_size,
                             pool_tokens=args.pool_tokens, iters=args.iters,
-                            context=args.context, timing="CUDA graph, L2 flushed",
+                            context=args.context,
+                            max_context=max(args.max_context or args.context, args.context),
+                            timing="CUDA graph, L2 flushed",
                             selection="half the tokens of selected/(block_size/2) blocks"),
                 best=best_by_case(result["rows"]), failures=result["failures"])
     write_results(path, result["rows"], meta)
     plot(result["rows"], path[:-5] + ".png",
          f"{meta['gpu']}: one layer, Qwen3-8B heads, {args.selected} slots per kv head, "
-         f"{args.block_size}-token blocks of {args.context}-token requests")
+         f"{args.block_size}-token blocks of {args.context}-token requests"
+         + (f" (grid {args.max_context})" if (args.max_context or 0) > args.context else ""))
     for case in meta["best"]:
         print(f"{case['stage']} B={case['batch']}: default {case['default_ms']}, fastest "
               f"{case['best']} {case['best_ms']:.4f} ms")

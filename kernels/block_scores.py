@@ -71,6 +71,99 @@ def default_tiles_per_program(batch: int, head_programs: int, block_tiles: int,
 
 
 @triton.jit
+def _score_tile(
+    Q, KMIN, KMAX, REQ_TO_TOKEN, OUT, tile, b, g0, row, hi, max_blocks, sink,
+    stride_qb, stride_qh, stride_sp, stride_sh, stride_r2t, stride_ob, stride_oh,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
+    BLOCK_NB: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+):
+    """The scores of one tile of BLOCK_NB blocks of request b, kv heads g0.. (written to OUT)."""
+    j = tile * BLOCK_NB + tl.arange(0, BLOCK_NB)
+    # block j overlaps the (non-empty) middle
+    valid = ((j < max_blocks) & (j * BLOCK_SIZE < hi) & ((j + 1) * BLOCK_SIZE > sink)
+             & (hi > sink))
+    first_slot = tl.load(
+        REQ_TO_TOKEN + row * stride_r2t + j.to(tl.int64) * BLOCK_SIZE, mask=valid, other=0
+    )
+    page = first_slot.to(tl.int64) // BLOCK_SIZE
+
+    # A page's summaries of all kv heads are adjacent ([num_pages, Hkv, D]): the heads of
+    # one program read them as one run of Hkv * D values per page and share the lookup.
+    for gi in tl.static_range(HEADS_PER_PROGRAM):
+        g = g0 + gi
+        d = tl.arange(0, BLOCK_D)
+        q_base = Q + b.to(tl.int64) * stride_qb + (g * GROUP) * stride_qh
+        hh = tl.arange(0, GROUP_PAD)
+        hmask = hh < GROUP
+
+        if PRECISION == "fma":
+            dmask = d < HEAD_DIM
+            summary = page[:, None] * stride_sp + g * stride_sh + d[None, :]
+            smask = valid[:, None] & dmask[None, :]
+            # [NB, D], shared by the group, in the summaries' dtype (one tile: D_CHUNKS == 1)
+            kmax = tl.load(KMAX + summary, mask=smask, other=0.0)
+            kmin = tl.load(KMIN + summary, mask=smask, other=0.0)
+            kmax = kmax.to(tl.float32)  # bf16/fp16 summaries are widened to fp32 in registers
+            kmin = kmin.to(tl.float32)
+            # small groups: one multiply-add pass per query head (no padding of the group to 16)
+            score = tl.full([BLOCK_NB], float("-inf"), tl.float32)
+            for hh in tl.static_range(GROUP):
+                qh = tl.load(q_base + hh * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
+                bound_h = tl.sum(
+                    kmax * tl.maximum(qh, 0.0)[None, :] + kmin * tl.minimum(qh, 0.0)[None, :],
+                    axis=1,
+                )
+                score = tl.maximum(score, bound_h)
+        else:
+            # two GEMMs [G, D] x [D, NB] (G padded to the 16 rows tl.dot needs), over D_CHUNKS
+            # chunks of the head dim (one for D <= 256)
+            bound = tl.zeros([GROUP_PAD, BLOCK_NB], tl.float32)
+            for c in tl.static_range(D_CHUNKS):
+                dc = c * BLOCK_D + d
+                dmask = dc < HEAD_DIM
+                summary = page[:, None] * stride_sp + g * stride_sh + dc[None, :]
+                smask = valid[:, None] & dmask[None, :]
+                # [NB, BLOCK_D], shared by the group, in the summaries' dtype
+                kmax = tl.load(KMAX + summary, mask=smask, other=0.0)
+                kmin = tl.load(KMIN + summary, mask=smask, other=0.0)
+                q = tl.load(
+                    q_base + hh[:, None] * stride_qh + dc[None, :],
+                    mask=hmask[:, None] & dmask[None, :],
+                    other=0.0,
+                )
+                if PRECISION == "tc":
+                    # tensor cores on the 16-bit operands as stored: q and the summaries
+                    # are both bf16 (or both fp16), q+ / q- are exact in that dtype, every
+                    # product is exact in fp32 and the GEMMs accumulate in fp32.
+                    if INTERPRET:
+                        # Triton's CPU interpreter compares and multiplies bf16 as raw
+                        # integer bit patterns: the same (exact) values, widened to fp32
+                        q32 = q.to(tl.float32)
+                        q_pos, q_neg = tl.maximum(q32, 0.0), tl.minimum(q32, 0.0)
+                        kmax, kmin = kmax.to(tl.float32), kmin.to(tl.float32)
+                    else:
+                        zero = tl.zeros_like(q)
+                        q_pos = tl.where(q > zero, q, zero)  # stays 16-bit, exact
+                        q_neg = tl.where(q < zero, q, zero)
+                    bound = tl.dot(q_pos, tl.trans(kmax), acc=bound)
+                    bound = tl.dot(q_neg, tl.trans(kmin), acc=bound)
+                else:
+                    q = q.to(tl.float32)
+                    kmax = kmax.to(tl.float32)
+                    kmin = kmin.to(tl.float32)
+                    bound = tl.dot(tl.maximum(q, 0.0), tl.trans(kmax), acc=bound,
+                                   input_precision=PRECISION)
+                    bound = tl.dot(tl.minimum(q, 0.0), tl.trans(kmin), acc=bound,
+                                   input_precision=PRECISION)
+            bound = tl.where(hmask[:, None], bound, float("-inf"))  # [GP, NB]
+            score = tl.max(bound, axis=0)
+        score = tl.where(valid, score, float("-inf"))
+        tl.store(OUT + b * stride_ob + g * stride_oh + j, score, mask=j < max_blocks)
+
+
+@triton.jit
 def _quest_block_scores_kernel(
     Q,
     KMIN,
@@ -101,6 +194,7 @@ def _quest_block_scores_kernel(
     HEADS_PER_PROGRAM: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
     TILES_PER_PROGRAM: tl.constexpr,
+    SKIP_DEAD_TILES: tl.constexpr,
 ):
     if HEADS_FASTEST:  # the programs of one request's kv heads launch side by side
         g0 = tl.program_id(0) * HEADS_PER_PROGRAM
@@ -119,89 +213,33 @@ def _quest_block_scores_kernel(
     # one tile per program (small grids, see default_tiles_per_program) has only other
     # programs to hide its two dependent loads (a one-trip loop, which MLIR's canonicalizer
     # inlines).
-    for ti in range(TILES_PER_PROGRAM):
-        tile = tile0 + ti
-        j = tile * BLOCK_NB + tl.arange(0, BLOCK_NB)
-        # block j overlaps the (non-empty) middle
-        valid = ((j < max_blocks) & (j * BLOCK_SIZE < hi) & ((j + 1) * BLOCK_SIZE > sink)
-                 & (hi > sink))
-        first_slot = tl.load(
-            REQ_TO_TOKEN + row * stride_r2t + j.to(tl.int64) * BLOCK_SIZE, mask=valid, other=0
-        )
-        page = first_slot.to(tl.int64) // BLOCK_SIZE
-
-        # A page's summaries of all kv heads are adjacent ([num_pages, Hkv, D]): the heads of
-        # one program read them as one run of Hkv * D values per page and share the lookup.
-        for gi in tl.static_range(HEADS_PER_PROGRAM):
-            g = g0 + gi
-            d = tl.arange(0, BLOCK_D)
-            q_base = Q + b.to(tl.int64) * stride_qb + (g * GROUP) * stride_qh
-            hh = tl.arange(0, GROUP_PAD)
-            hmask = hh < GROUP
-
-            if PRECISION == "fma":
-                dmask = d < HEAD_DIM
-                summary = page[:, None] * stride_sp + g * stride_sh + d[None, :]
-                smask = valid[:, None] & dmask[None, :]
-                # [NB, D], shared by the group, in the summaries' dtype (one tile: D_CHUNKS == 1)
-                kmax = tl.load(KMAX + summary, mask=smask, other=0.0)
-                kmin = tl.load(KMIN + summary, mask=smask, other=0.0)
-                kmax = kmax.to(tl.float32)  # bf16/fp16 summaries are widened to fp32 in registers
-                kmin = kmin.to(tl.float32)
-                # small groups: one multiply-add pass per query head (no padding of the group to 16)
-                score = tl.full([BLOCK_NB], float("-inf"), tl.float32)
-                for hh in tl.static_range(GROUP):
-                    qh = tl.load(q_base + hh * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
-                    bound_h = tl.sum(
-                        kmax * tl.maximum(qh, 0.0)[None, :] + kmin * tl.minimum(qh, 0.0)[None, :],
-                        axis=1,
-                    )
-                    score = tl.maximum(score, bound_h)
-            else:
-                # two GEMMs [G, D] x [D, NB] (G padded to the 16 rows tl.dot needs), over D_CHUNKS
-                # chunks of the head dim (one for D <= 256)
-                bound = tl.zeros([GROUP_PAD, BLOCK_NB], tl.float32)
-                for c in tl.static_range(D_CHUNKS):
-                    dc = c * BLOCK_D + d
-                    dmask = dc < HEAD_DIM
-                    summary = page[:, None] * stride_sp + g * stride_sh + dc[None, :]
-                    smask = valid[:, None] & dmask[None, :]
-                    # [NB, BLOCK_D], shared by the group, in the summaries' dtype
-                    kmax = tl.load(KMAX + summary, mask=smask, other=0.0)
-                    kmin = tl.load(KMIN + summary, mask=smask, other=0.0)
-                    q = tl.load(
-                        q_base + hh[:, None] * stride_qh + dc[None, :],
-                        mask=hmask[:, None] & dmask[None, :],
-                        other=0.0,
-                    )
-                    if PRECISION == "tc":
-                        # tensor cores on the 16-bit operands as stored: q and the summaries
-                        # are both bf16 (or both fp16), q+ / q- are exact in that dtype, every
-                        # product is exact in fp32 and the GEMMs accumulate in fp32.
-                        if INTERPRET:
-                            # Triton's CPU interpreter compares and multiplies bf16 as raw
-                            # integer bit patterns: the same (exact) values, widened to fp32
-                            q32 = q.to(tl.float32)
-                            q_pos, q_neg = tl.maximum(q32, 0.0), tl.minimum(q32, 0.0)
-                            kmax, kmin = kmax.to(tl.float32), kmin.to(tl.float32)
-                        else:
-                            zero = tl.zeros_like(q)
-                            q_pos = tl.where(q > zero, q, zero)  # stays 16-bit, exact
-                            q_neg = tl.where(q < zero, q, zero)
-                        bound = tl.dot(q_pos, tl.trans(kmax), acc=bound)
-                        bound = tl.dot(q_neg, tl.trans(kmin), acc=bound)
-                    else:
-                        q = q.to(tl.float32)
-                        kmax = kmax.to(tl.float32)
-                        kmin = kmin.to(tl.float32)
-                        bound = tl.dot(tl.maximum(q, 0.0), tl.trans(kmax), acc=bound,
-                                       input_precision=PRECISION)
-                        bound = tl.dot(tl.minimum(q, 0.0), tl.trans(kmin), acc=bound,
-                                       input_precision=PRECISION)
-                bound = tl.where(hmask[:, None], bound, float("-inf"))  # [GP, NB]
-                score = tl.max(bound, axis=0)
-            score = tl.where(valid, score, float("-inf"))
-            tl.store(OUT + b * stride_ob + g * stride_oh + j, score, mask=j < max_blocks)
+    if SKIP_DEAD_TILES:
+        # The grid covers the static max_blocks (the server's context length, with headroom);
+        # tiles starting at or past the last block that begins before hi hold no candidate.
+        # The loop stops there (a dynamic trip count, still pipelined) and the dead tiles
+        # only get their -inf. (The CPU interpreter takes static loop bounds only: the wrapper
+        # turns this off there.)
+        live_blocks = tl.cdiv(tl.maximum(hi, 0), BLOCK_SIZE)
+        live_tiles = tl.minimum(
+            tl.maximum(tl.cdiv(live_blocks - tile0 * BLOCK_NB, BLOCK_NB), 0), TILES_PER_PROGRAM)
+        for ti in range(0, live_tiles):
+            _score_tile(Q, KMIN, KMAX, REQ_TO_TOKEN, OUT, tile0 + ti, b, g0, row, hi,
+                        max_blocks, sink, stride_qb, stride_qh, stride_sp, stride_sh,
+                        stride_r2t, stride_ob, stride_oh, BLOCK_SIZE, GROUP, GROUP_PAD,
+                        HEAD_DIM, BLOCK_D, D_CHUNKS, BLOCK_NB, PRECISION, INTERPRET,
+                        HEADS_PER_PROGRAM)
+        for ti in range(live_tiles, TILES_PER_PROGRAM):
+            j = (tile0 + ti) * BLOCK_NB + tl.arange(0, BLOCK_NB)
+            for gi in tl.static_range(HEADS_PER_PROGRAM):
+                tl.store(OUT + b * stride_ob + (g0 + gi) * stride_oh + j,
+                         tl.full([BLOCK_NB], float("-inf"), tl.float32), mask=j < max_blocks)
+    else:
+        for ti in range(TILES_PER_PROGRAM):
+            _score_tile(Q, KMIN, KMAX, REQ_TO_TOKEN, OUT, tile0 + ti, b, g0, row, hi,
+                        max_blocks, sink, stride_qb, stride_qh, stride_sp, stride_sh,
+                        stride_r2t, stride_ob, stride_oh, BLOCK_SIZE, GROUP, GROUP_PAD,
+                        HEAD_DIM, BLOCK_D, D_CHUNKS, BLOCK_NB, PRECISION, INTERPRET,
+                        HEADS_PER_PROGRAM)
 
 
 def quest_block_scores_batched(
@@ -223,6 +261,7 @@ def quest_block_scores_batched(
     heads_per_program: int = HEADS_PER_PROGRAM,
     heads_fastest: bool = HEADS_FASTEST,
     tiles_per_program: int | None = None,
+    skip_dead_tiles: bool = True,
 ) -> Tensor:
     """Quest block scores of every request of a decode batch: float32 ``[B, Hkv, max_blocks]``.
 
@@ -248,6 +287,9 @@ def quest_block_scores_batched(
     request's heads run side by side (see ``HEADS_PER_PROGRAM`` for the measured defaults);
     ``tiles_per_program``: consecutive tiles of ``block_nb`` blocks one program walks in a loop
     (software-pipelined over ``num_stages``; default :func:`default_tiles_per_program`).
+    ``skip_dead_tiles``: on the GPU a program stops computing at the request's last candidate
+    block and only writes ``-inf`` past it (False: every tile of the static grid is computed,
+    masked; the results are the same).
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = kmin.shape[1]
@@ -329,6 +371,7 @@ def quest_block_scores_batched(
         HEADS_PER_PROGRAM=heads_per_program,
         HEADS_FASTEST=heads_fastest,
         TILES_PER_PROGRAM=tiles_per_program,
+        SKIP_DEAD_TILES=skip_dead_tiles and os.environ.get("TRITON_INTERPRET") != "1",
         num_warps=num_warps or (4 if precision == "tc" or block_nb * block_d < 4096 else 8),
         **({} if num_stages is None else {"num_stages": num_stages}),
     )

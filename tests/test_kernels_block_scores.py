@@ -151,6 +151,12 @@ def _layouts_agree(pb, q, common, precision):
         got = quest_block_scores_batched(q, pb.kmin, pb.kmax, *common, precision=precision,
                                          block_nb=16, tiles_per_program=tiles)
         assert torch.equal(got, one_tile), tiles
+    # computing the whole static grid (no early stop at each request's last block) on the GPU
+    for tiles in (1, 2, 3):
+        got = quest_block_scores_batched(q, pb.kmin, pb.kmax, *common, precision=precision,
+                                         block_nb=16, tiles_per_program=tiles,
+                                         skip_dead_tiles=False)
+        assert torch.equal(got, one_tile), ("whole grid", tiles)
     return want
 
 
@@ -194,8 +200,11 @@ def test_default_tiles_per_program_keeps_the_gpu_busy():
 def test_gpu_launch_layouts_give_the_same_scores():
     gen = case_generator("gpu-block-scores-layouts")
     lens = [32768, 20000, 4099, 1]
+    # the static grid with a server's context headroom (1.25x): most tiles of the shorter
+    # requests are dead, and the tile loops stop early
     pb = make_paged_batch(gen, lens, 8, 128, 32, dtype=torch.bfloat16, device="cuda",
-                          max_context=32768 + 64, summary_chunks=2)
+                          max_context=40960, summary_chunks=2)
     q = random_values(gen, 4, 32, 128, dtype=torch.bfloat16, device="cuda")
     common = (pb.req_to_token, pb.req_pool_indices, pb.seq_lens, 32, 16, 64, pb.max_blocks)
     assert _layouts_agree(pb, q, common, "tc").isfinite().any()
+    _check(pb, q, 16, 64, rtol=1e-5, atol=1e-3 * math.sqrt(128), precision="tc")
