@@ -8,7 +8,9 @@ channels[g, i]]`` (``[num_slots, Hkv, r]`` in the KV dtype, ``r / D`` of the key
 written beside the KV; token scoring (:mod:`token_scores`, ``keys_are_labels``) then reads ``r``
 contiguous values per key (one 32-byte sector for 16 bf16 channels) and the queries at the same
 channels, so it sums the same products in the same order as when it gathers the channels from
-the pool: the scores are unchanged.
+the pool: the scores are unchanged. With ``--sparse-label-dtype fp8_e4m3`` the cache holds the
+channels rounded to fp8 (one byte each: half the memory and the reads); the reference then
+scores the same rounded values (``label_token_scores``'s ``label_dtype``).
 
 :func:`update_label_cache` is one Triton launch per written batch (one program per key): a
 decode step writes every layer's labels, and the torch formulation
@@ -23,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from sglang_ext.selection.reference import to_label_storage
 
 
 def allocate_label_cache(num_slots: int, num_kv_heads: int, num_channels: int, device,
@@ -75,8 +79,9 @@ def update_label_cache(labels: Tensor, k: Tensor, loc: Tensor, channels: Tensor)
     if labels.stride(2) != 1:
         raise ValueError("the label cache's rows must be contiguous (allocate_label_cache)")
     if k.dtype != labels.dtype:
-        # Narrowing in torch (round to nearest even; Triton's CPU interpreter truncates).
-        k = k.to(labels.dtype)
+        # Narrowing in torch (round to nearest even; Triton's CPU interpreter truncates),
+        # saturating for fp8 labels.
+        k = to_label_storage(k, labels.dtype)
     if k.stride(2) != 1:
         k = k.contiguous()
     if channels.stride(1) != 1:
@@ -96,5 +101,5 @@ def update_label_cache_ref(labels: Tensor, k: Tensor, loc: Tensor, channels: Ten
     if k.shape[0] == 0:
         return
     index = channels.to(device=k.device, dtype=torch.long).unsqueeze(0).expand(k.shape[0], -1, -1)
-    labels[loc.long()] = torch.gather(k.view(k.shape[0], labels.shape[1], -1), 2, index).to(
-        labels.dtype)
+    labels[loc.long()] = to_label_storage(
+        torch.gather(k.view(k.shape[0], labels.shape[1], -1), 2, index), labels.dtype)

@@ -66,6 +66,7 @@ from sglang_ext.kernels.token_scores import label_token_scores_batched
 from sglang_ext.kernels.topk import _topk_row, topk_launch_config, topk_masked
 from sglang_ext.selection.reference import (
     SelectionParams,
+    label_storage_dtype,
     select_token_mask,
     sparse_attention_with_lse,
 )
@@ -549,7 +550,14 @@ def select_slots_batched(
         if from_labels:
             if channels is None or labels.shape[1:] != channels.shape:
                 raise ValueError("labels need their channels ([Hkv, r], matching the cache)")
+            want = label_storage_dtype(params.label_dtype, k_buffer.dtype)
+            if labels.dtype != want:
+                raise ValueError(f"label_dtype {params.label_dtype!r} stores labels as {want}, "
+                                 f"the cache holds {labels.dtype}")
             tok_keys = labels
+        elif params.label_dtype != "auto" and channels is not None:
+            # the rounded labels exist only in the cache: the pool's keys would score unrounded
+            raise ValueError(f"label_dtype {params.label_dtype!r} needs the label cache (labels)")
         tok_scores, _ = label_token_scores_batched(
             q, tok_keys, req_to_token, req_pool_indices, seq_lens,
             cand if ws.mode == _MODE_CAND_TOKENS else None, bs, params.sink, params.window,

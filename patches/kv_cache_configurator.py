@@ -47,14 +47,16 @@ def _tier_config(configurator: Any) -> Optional[Any]:
 def side_buffer_share(cfg: Any, head_dim: int, v_head_dim: int, kv_bytes: int) -> float:
     """Bytes of the batched decode's side buffers per byte of KV, per token (no tier): page
     summaries (kmin + kmax, in the KV dtype, float32 under an 8-bit KV), for methods that
-    score tokens by label channels with a label config, the label cache (KV dtype), and with
+    score tokens by label channels with a label config, the label cache (KV dtype, or one byte
+    per channel with fp8 labels), and with
     the locality constraint its page eviction scores (its per-row state is logged, not here).
     ``v_head_dim`` counts the value dims stored beside the key: 0 for an MLA pool, whose one
     row of R + P values per token is both (selection/mla.py's KVLayout)."""
     summary_bytes = kv_bytes if kv_bytes >= 2 else 4
     side = 2 * head_dim / cfg.block_size * summary_bytes
     if cfg.keeps_label_cache:
-        side += min(cfg.label_channels, head_dim) * kv_bytes
+        label_bytes = 1 if cfg.label_dtype == "fp8_e4m3" else kv_bytes
+        side += min(cfg.label_channels, head_dim) * label_bytes
     if cfg.locality_blocks > 0:
         side += 2 * 4 / cfg.block_size  # locality: two float32 eviction-score values per page
     return side / ((head_dim + v_head_dim) * kv_bytes)

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from sglang_ext.selection.reference import METHODS, SCORINGS
+from sglang_ext.selection.reference import LABEL_DTYPES, METHODS, SCORINGS
 
 BACKEND_NAME = "sglang_ext"  # --attention-backend / --decode-attention-backend value
 DENSE_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
@@ -43,6 +43,7 @@ class SparseConfig:
     window: int = 64
     label_channels: int = 16
     label_config: Optional[str] = None
+    label_dtype: str = "auto"  # the label cache's storage: see LABEL_DTYPES
     dense_backend: str = "auto"
     impl: str = "auto"
     tier: str = "off"
@@ -115,6 +116,12 @@ _FLAGS: tuple[tuple[str, str, str, str], ...] = (
     ("label_config", "--sparse-label-config", "PATH",
      "Calibrated heavy channels (python -m sglang_ext.selection.calibrate); without it token "
      "scores use every channel."),
+    ("label_dtype", "--sparse-label-dtype", "{" + ",".join(LABEL_DTYPES) + "}",
+     "How the label cache stores the label channels: auto (the KV cache's dtype) or fp8_e4m3 "
+     "(one byte per channel, rounded to nearest, saturating at +-448: half the label cache's "
+     "memory, so more KV tokens fit, and half the token scoring's reads). The reference "
+     "decode rounds the same way. Needs --sparse-label-config, --sparse-method two_level or "
+     "ds, and no --sparse-tier."),
     ("dense_backend", "--sparse-dense-backend", "{" + ",".join(DENSE_BACKENDS) + "}",
      "SGLang backend used for prefill/extend (auto: torch_native on CPU, triton on CUDA)."),
     ("impl", "--sparse-impl", "{" + ",".join(IMPLS) + "}",
@@ -293,6 +300,11 @@ def _validate(cfg: SparseConfig) -> None:
         fail("label_channels", "must be >= 1")
     if cfg.label_config is not None and not os.path.isfile(cfg.label_config):
         fail("label_config", "is not a readable file")
+    if cfg.label_dtype not in LABEL_DTYPES:
+        fail("label_dtype", f"must be one of {', '.join(LABEL_DTYPES)}")
+    if cfg.label_dtype != "auto" and not cfg.keeps_label_cache:
+        fail("label_dtype", "needs the label cache: --sparse-label-config, --sparse-method "
+             "two_level or ds, and no --sparse-tier")
     if cfg.tier not in TIER_MODES:
         fail("tier", f"must be one of {', '.join(TIER_MODES)}")
     if cfg.tier_host_gb < 0:

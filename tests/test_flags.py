@@ -24,6 +24,8 @@ from server_utils import LABELS, free_port, launch_command, server_env
         ({"candidate_blocks": -1}, "--sparse-candidate-blocks"),
         ({"label_channels": 0}, "--sparse-label-channels"),
         ({"label_config": "/nonexistent.json"}, "--sparse-label-config"),
+        ({"label_dtype": "int4"}, "--sparse-label-dtype"),
+        ({"label_dtype": "fp8_e4m3"}, "--sparse-label-dtype"),  # no label config: no cache
         ({"dense_backend": "fa9"}, "--sparse-dense-backend"),
         ({"tier": "on"}, "--sparse-tier"),
         ({"tier": "async", "method": "ds"}, "--sparse-tier"),
@@ -58,6 +60,14 @@ def test_invalid_values_name_the_flag(values, flag):
         build_config(**values)
     message = str(e.value)
     assert flag in message and "\n" not in message
+
+
+def test_fp8_labels_need_the_label_cache():
+    labels = dict(label_config=__file__)  # any readable file: only its presence matters here
+    assert build_config(label_dtype="fp8_e4m3", **labels).label_dtype == "fp8_e4m3"
+    for values in ({"tier": "sync"}, {"method": "quest"}):
+        with pytest.raises(ConfigError, match="--sparse-label-dtype needs the label cache"):
+            build_config(label_dtype="fp8_e4m3", **labels, **values)
 
 
 def test_valid_values_and_auto_candidates():
@@ -125,7 +135,8 @@ def test_help_lists_our_flags():
     assert out.returncode == 0
     for flag in ("--sparse-budget", "--sparse-block-size", "--sparse-candidate-blocks",
                  "--sparse-sink", "--sparse-window", "--sparse-label-channels",
-                 "--sparse-method", "--sparse-label-config", "--sparse-tier",
+                 "--sparse-method", "--sparse-label-config", "--sparse-label-dtype",
+                 "--sparse-tier",
                  "--sparse-tier-host-gb", "--sparse-tier-gpu-tokens", "--sparse-tier-timing",
                  "--sparse-guard-every",
                  "--sparse-guard-recall", "--sparse-guard-max-budget",

@@ -16,6 +16,7 @@ from sglang_ext.kernels.sparse_decode import (
     SparseDecodeWorkspace,
     select_slots_batched,
     sparse_decode_batched,
+    sparse_decode_batched_ref,
 )
 from sglang_ext.kernels.testing import case_generator, make_paged_batch, random_values
 from sglang_ext.kernels.token_scores import label_token_scores_batched
@@ -141,3 +142,65 @@ def test_gpu_real_shapes_same_slots(method):
               pb.kmax, params)
     expected = select_slots_batched(*common, channels=channels).clone()
     assert torch.equal(select_slots_batched(*common, channels=channels, labels=labels), expected)
+
+
+def _fp8_labels_select_what_the_reference_selects(method, device, lens, hq, hkv, d, bs, budget,
+                                                  cand, r):
+    import dataclasses
+
+    from sglang_ext.selection.reference import label_storage_dtype, to_label_storage
+
+    gen = case_generator("label-cache-fp8", method, device)
+    sink, window = (4, 4) if budget < 256 else (16, 64)
+    params = SelectionParams(method, budget, bs, cand, sink, window, label_dtype="fp8_e4m3")
+    pb = make_paged_batch(gen, lens, hkv, d, bs, dtype=torch.bfloat16, device=device)
+    q = random_values(gen, len(lens), hq, d, dtype=torch.bfloat16, device=device)
+    channels = _channels(gen, hkv, d, r, device)
+    dtype = label_storage_dtype("fp8_e4m3", torch.bfloat16)
+    labels = allocate_label_cache(pb.k_buffer.shape[0], hkv, r, device, dtype)
+    update_label_cache(labels, pb.k_buffer, torch.arange(pb.k_buffer.shape[0], device=device),
+                       channels)
+    want = to_label_storage(torch.gather(pb.k_buffer, 2, channels.unsqueeze(0).expand(
+        pb.k_buffer.shape[0], -1, -1)), dtype)
+    assert torch.equal(labels.float(), want.float())
+    assert to_label_storage(torch.tensor([1e4, -1e4]), dtype).float().tolist() == [448, -448]
+
+    common = (q, pb.k_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.kmin,
+              pb.kmax, params)
+    _, pos = select_slots_batched(*common, channels=channels, labels=labels,
+                                  return_positions=True)
+    tail = (pb.req_to_token, pb.req_pool_indices, pb.seq_lens)
+    _, _, masks = sparse_decode_batched_ref(q, pb.k_buffer, pb.v_buffer, *tail, params,
+                                            d ** -0.5, channels)
+    exact = dataclasses.replace(params, label_dtype="auto")
+    _, _, exact_masks = sparse_decode_batched_ref(q, pb.k_buffer, pb.v_buffer, *tail, exact,
+                                                  d ** -0.5, channels)
+    differs = False
+    for b in range(len(lens)):
+        for g in range(hkv):
+            got = pos[b, g][pos[b, g] >= 0].long().sort().values
+            assert torch.equal(got, masks[b][g].nonzero().flatten()), (b, g)
+            differs |= not torch.equal(masks[b][g], exact_masks[b][g])
+    assert differs, "fp8 rounding changed no selection: the test data cannot tell"
+    with pytest.raises(ValueError, match="needs the label cache"):
+        select_slots_batched(*common, channels=channels)
+    with pytest.raises(ValueError, match="the cache holds"):
+        select_slots_batched(*common[:-1], exact, channels=channels, labels=labels)
+
+
+@pytest.mark.parametrize("method", ["two_level", "ds"])
+def test_fp8_labels_select_what_the_reference_selects(method):
+    """--sparse-label-dtype fp8_e4m3: the cache holds the channels rounded to fp8 (saturating,
+    never NaN) and the batched selection picks exactly the reference's positions for the same
+    rounded labels; the rounding matters on this data (the bf16 reference picks otherwise)."""
+    _fp8_labels_select_what_the_reference_selects(method, DEVICE, [20, 33, 90, 151], 6, 2, 16,
+                                                  4, 32, 12, 5)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("method", ["two_level", "ds"])
+def test_gpu_fp8_labels_real_shapes(method):
+    """The same at a Qwen3-8B layer's shapes, 16 fp8 label channels, budget 2048, bs 16."""
+    _fp8_labels_select_what_the_reference_selects(method, "cuda", [1000, 4097, 20000], 32, 8,
+                                                  128, 16, 2048, 246, 16)

@@ -26,6 +26,10 @@ def test_side_buffer_share():
         == pytest.approx(16 / 256)  # quest scores no tokens
     # an 8-bit KV keeps float32 summaries: 8 values x 4 bytes, labels 16 x 1 byte, KV 256 bytes
     assert side_buffer_share(two_level, 128, 128, 1) == pytest.approx((32 + 16) / 256)
+    # fp8 labels: one byte per channel beside bf16 KV (16 + 16 bytes of 512)
+    fp8 = build_config(method="two_level", block_size=32, label_channels=16,
+                       label_dtype="fp8_e4m3", **labels)
+    assert side_buffer_share(fp8, 128, 128, 2) == pytest.approx((16 + 16) / 512)
 
 
 def _configurator(device: str, max_total_tokens=None, tier: str = "off", model_config=None):

@@ -238,13 +238,16 @@ class SparseDecodeBackend(AttentionBackend):
         if self.label_channels is None or not self.config.keeps_label_cache:
             return None
         from sglang_ext.kernels.label_cache import allocate_label_cache
+        from sglang_ext.selection.reference import label_storage_dtype
 
         pool = self.token_to_kv_pool
         k0 = pool.get_key_buffer(pool.start_layer)
         r = self.label_channels.shape[-1]
-        labels = [allocate_label_cache(k0.shape[0], k0.shape[1], r, self.device, k0.dtype)
+        dtype = label_storage_dtype(self.config.label_dtype, k0.dtype)
+        labels = [allocate_label_cache(k0.shape[0], k0.shape[1], r, self.device, dtype)
                   for _ in range(pool.layer_num)]
-        logger.info("sglang_ext label cache: %d channels of %d, %.2f GiB", r, k0.shape[2],
+        logger.info("sglang_ext label cache: %d channels of %d in %s, %.2f GiB", r, k0.shape[2],
+                    str(dtype).removeprefix("torch."),
                     sum(t.numel() * t.element_size() for t in labels) / 2**30)
         return labels
 

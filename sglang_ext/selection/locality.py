@@ -160,7 +160,8 @@ def select_token_mask_locality(
     state.prev_filter[:, :num_blocks] = False
     state.prev_filter[:, first:num_blocks] = (kept | keep_mid).cpu()
     in_kept = kept[:, block_of_pos - first]
-    tok = label_token_scores(q, keys[lo:hi], channels).masked_fill(~in_kept, float("-inf"))
+    tok = label_token_scores(q, keys[lo:hi], channels, params.label_dtype).masked_fill(
+        ~in_kept, float("-inf"))
     for h in range(num_kv_heads):  # the remaining budget differs per head
         k = int(n_q[h])
         if k > 0:

@@ -25,6 +25,26 @@ METHODS = ("quest", "ds", "two_level")
 # How two_level ranks the tokens of its kept blocks: by label score (Double Sparsity), or by
 # estimated contribution to the output with the budget shared among the kv heads (Fluxion).
 SCORINGS = ("score", "output_aware")
+# How the label cache stores the label channels: "auto" in the KV cache's dtype (exact), or
+# "fp8_e4m3" (one byte each: half the memory and token-scoring reads of bf16 labels).
+LABEL_DTYPES = ("auto", "fp8_e4m3")
+_FP8_LABELS = torch.float8_e4m3fn
+
+
+def label_storage_dtype(label_dtype: str, kv_dtype: torch.dtype) -> torch.dtype:
+    """The label cache's torch dtype for ``label_dtype`` (one of :data:`LABEL_DTYPES`)."""
+    if label_dtype not in LABEL_DTYPES:
+        raise ValueError(f"label_dtype must be one of {LABEL_DTYPES}, got {label_dtype!r}")
+    return _FP8_LABELS if label_dtype == "fp8_e4m3" else kv_dtype
+
+
+def to_label_storage(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` in the label cache's storage dtype, rounded to nearest. fp8 saturates at its
+    largest finite value (448 for e4m3): a plain cast turns anything beyond it into NaN."""
+    if dtype == _FP8_LABELS:
+        limit = torch.finfo(dtype).max
+        x = x.clamp(-limit, limit)
+    return x.to(dtype)
 
 
 @dataclass(frozen=True)
@@ -57,6 +77,7 @@ class SelectionParams:
     eviction_score: str = "attention"
     locality_new_blocks: int = 0
     block_filter: str = "sync"
+    label_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -83,6 +104,8 @@ class SelectionParams:
                 self.block_filter == "async" and self.method not in ("quest", "two_level")):
             raise ValueError(f"block_filter must be sync or async (async: quest, two_level), "
                              f"got {self.block_filter!r} with {self.method!r}")
+        if self.label_dtype not in LABEL_DTYPES:
+            raise ValueError(f"label_dtype must be one of {LABEL_DTYPES}, got {self.label_dtype!r}")
         if self.method == "two_level" and self.candidate_blocks < 1:
             raise ValueError(
                 f"two_level needs candidate_blocks >= 1, got {self.candidate_blocks}"
@@ -128,17 +151,22 @@ def quest_block_scores(q: Tensor, kmin: Tensor, kmax: Tensor) -> Tensor:
     return bound.amax(dim=1)
 
 
-def label_token_scores(q: Tensor, keys: Tensor, channels: Tensor | None) -> Tensor:
+def label_token_scores(q: Tensor, keys: Tensor, channels: Tensor | None,
+                       label_dtype: str = "auto") -> Tensor:
     """Double-Sparsity label score per token, max over each kv head's query heads: ``[Hkv, L]``.
 
     ``channels`` (long ``[Hkv, r]``) are the calibrated heavy channels of each kv head; with
-    ``None`` all D channels are used, i.e. the exact q·k.
+    ``None`` all D channels are used, i.e. the exact q·k. ``label_dtype`` (with channels): the
+    label values as the label cache stores them (:func:`to_label_storage`), e.g. rounded to
+    fp8, so that this reference scores what the batched decode scores.
     """
     qg = _group_queries(q, keys.shape[1])  # [Hkv, G, D]
     k = keys.transpose(0, 1)  # [Hkv, L, D]
     if channels is not None:
         qg = qg.gather(2, channels[:, None, :].expand(-1, qg.shape[1], -1))
         k = k.gather(2, channels[:, None, :].expand(-1, k.shape[1], -1))
+        if label_dtype != "auto":
+            k = to_label_storage(k, label_storage_dtype(label_dtype, k.dtype))
     return torch.bmm(qg, k.float().transpose(1, 2)).amax(dim=1)
 
 
@@ -194,7 +222,7 @@ def _select_middle(
     if n_sel == 0:
         return torch.zeros(keys.shape[1], hi - lo, dtype=torch.bool, device=keys.device)
     if params.method == "ds":
-        return _top_k_mask(label_token_scores(q, keys[lo:hi], channels), n_sel)
+        return _top_k_mask(label_token_scores(q, keys[lo:hi], channels, params.label_dtype), n_sel)
 
     bs = params.block_size
     block_q = q if block_query is None else block_query
@@ -224,7 +252,8 @@ def _select_middle(
     # two_level: token top-k restricted to the kept blocks. Excluded positions score -inf, so
     # they only fill slots when the kept blocks hold fewer than n_sel positions; `& in_kept`
     # drops them.
-    scores = label_token_scores(q, keys[lo:hi], channels).masked_fill(~in_kept, float("-inf"))
+    scores = label_token_scores(q, keys[lo:hi], channels, params.label_dtype).masked_fill(
+        ~in_kept, float("-inf"))
     if params.scoring == "output_aware":
         if values is None:
             raise ValueError("output_aware scoring needs the values")
