@@ -46,13 +46,17 @@ from sglang_ext.selection.reference import quest_block_scores
 HEADS_PER_PROGRAM = 1
 HEADS_FASTEST = False
 # Tensor-core launch (bf16/fp16 summaries, precision "tc"): 32 blocks per tile, 3 pipeline
-# stages, up to 8 consecutive tiles per program while the grid still gives every SM
-# MIN_PROGRAMS_PER_SM programs. At 19 requests x 32k, block 32: 32.2 us against 37.3 us for
-# the former 64 blocks x 1 tile (nb32 s3: 35.2 / 33.2 / 33.0 / 32.2 us at 1 / 2 / 4 / 8 tiles;
-# nb64: 34.5-39.2 us; sparse_attention_h200_pipelining_b19.json, CUDA graphs, L2 flushed).
+# stages, up to 4 consecutive tiles per program while the grid still gives every SM
+# MIN_PROGRAMS_PER_SM programs. At 19 requests x 32k, block 32, a grid with no dead tiles:
+# 35.2 / 33.2 / 33.0 / 32.2 us at 1 / 2 / 4 / 8 tiles (nb64: 34.5-39.2 us;
+# sparse_attention_h200_pipelining_b19.json). At a server's shapes (the grid sized for
+# --context-length with 1.25x headroom, programs stopping at each request's last block): 4
+# tiles is within 0.6 us of the fastest at 20 and 24 requests x 34k and 5 and 8 x 137k, where
+# 8 tiles lose up to 4.6 us (36.7 / 42.5 / 36.6 / 51.1 us;
+# sparse_attention_h200_block_score_dead_tiles_*.json).
 TC_BLOCK_NB = 32
 TC_NUM_STAGES = 3
-MAX_TILES_PER_PROGRAM = 8
+MAX_TILES_PER_PROGRAM = 4
 MIN_PROGRAMS_PER_SM = 4
 
 
