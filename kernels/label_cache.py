@@ -21,6 +21,8 @@ several times per call (CUDA-graph padding); it is never read by a real request.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -53,6 +55,7 @@ def _write_labels_kernel(
     NUM_CH: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     BLOCK: tl.constexpr,
+    SATURATE_AT: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     slot = tl.load(LOC + n).to(tl.int64)
@@ -62,6 +65,9 @@ def _write_labels_kernel(
     i = e % NUM_CH
     ch = tl.load(CHANNELS + g * stride_cg + i, mask=ok, other=0).to(tl.int64)
     val = tl.load(K + n * stride_kn + g * stride_kh + ch, mask=ok, other=0.0)
+    if SATURATE_AT > 0:  # fp8 labels narrowed here: clamp, then round to nearest even
+        val = tl.minimum(tl.maximum(val.to(tl.float32), -SATURATE_AT), SATURATE_AT)
+        val = val.to(LABELS.dtype.element_ty, fp_downcast_rounding="rtne")
     tl.store(LABELS + slot * stride_ls + g * stride_lg + i, val.to(LABELS.dtype.element_ty),
              mask=ok)
 
@@ -78,10 +84,17 @@ def update_label_cache(labels: Tensor, k: Tensor, loc: Tensor, channels: Tensor)
                          f"the label cache {tuple(labels.shape)}")
     if labels.stride(2) != 1:
         raise ValueError("the label cache's rows must be contiguous (allocate_label_cache)")
+    saturate_at = 0.0
     if k.dtype != labels.dtype:
-        # Narrowing in torch (round to nearest even; Triton's CPU interpreter truncates),
-        # saturating for fp8 labels.
-        k = to_label_storage(k, labels.dtype)
+        if (labels.dtype == torch.float8_e4m3fn and k.is_cuda
+                and os.environ.get("TRITON_INTERPRET") != "1"):
+            # fp8 labels: narrowed inside the kernel (a torch cast of the whole key rows was
+            # two more launches per layer and a copy of every key)
+            saturate_at = torch.finfo(labels.dtype).max
+        else:
+            # Narrowing in torch (round to nearest even; Triton's CPU interpreter truncates),
+            # saturating for fp8 labels.
+            k = to_label_storage(k, labels.dtype)
     if k.stride(2) != 1:
         k = k.contiguous()
     if channels.stride(1) != 1:
@@ -92,7 +105,7 @@ def update_label_cache(labels: Tensor, k: Tensor, loc: Tensor, channels: Tensor)
     _write_labels_kernel[(num_tokens,)](
         labels, k, loc, channels, labels.stride(0), labels.stride(1), k.stride(0), k.stride(1),
         channels.stride(0), NUM_CH=r, NUM_KV_HEADS=num_kv_heads,
-        BLOCK=triton.next_power_of_2(num_kv_heads * r), num_warps=1,
+        BLOCK=triton.next_power_of_2(num_kv_heads * r), SATURATE_AT=saturate_at, num_warps=1,
     )
 
 
