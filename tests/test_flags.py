@@ -70,6 +70,15 @@ def test_fp8_labels_need_the_label_cache():
             build_config(label_dtype="fp8_e4m3", **labels, **values)
 
 
+def test_fp8_label_servers_take_label_free_request_overrides():
+    from sglang_ext.attention.request_overrides import parse_override
+
+    base = build_config(label_dtype="fp8_e4m3", label_config=__file__)
+    assert parse_override(None, base).label_dtype == "fp8_e4m3"
+    assert parse_override({"sparse": {"method": "ds"}}, base).label_dtype == "fp8_e4m3"
+    assert parse_override({"sparse": {"method": "quest"}}, base).label_dtype == "auto"
+
+
 def test_valid_values_and_auto_candidates():
     cfg = build_config(budget="512", block_size="32", sink="0", window="32", method="quest")
     assert (cfg.budget, cfg.block_size, cfg.method) == (512, 32, "quest")

@@ -75,11 +75,14 @@ def parse_override(custom_params: Optional[Mapping[str, Any]], base: SparseConfi
     if "budget" in raw and "candidate_blocks" not in raw:
         values["candidate_blocks"] = 0  # re-derive the automatic value from the new budget
     if "method" in raw and raw["method"] != "two_level":
-        # The server's output-aware scoring and locality constraint are two_level's.
+        # The server's output-aware scoring and locality constraint are two_level's (its fp8
+        # labels two_level's and ds's).
         if "scoring" not in raw:
             values["scoring"] = "score"
         if "locality_blocks" not in raw:
             values["locality_blocks"] = 0
+        if raw["method"] != "ds":
+            values["label_dtype"] = "auto"  # quest scores no tokens: the labels go unread
     if raw.get("locality_blocks", values["locality_blocks"]) == 0 and \
             "locality_new_blocks" not in raw:
         values["locality_new_blocks"] = 0  # the limit belongs to the constraint: off with it
