@@ -33,6 +33,7 @@ path. Variants are timed as extra ``ours_*`` columns (``--compare-*`` options).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -74,10 +75,20 @@ def parse_args(argv=None):
     p.add_argument("--topk-impl", default="triton", choices=["triton", "torch"])
     p.add_argument("--compare-topk", action=argparse.BooleanOptionalAction, default=True,
                    help="also time ours with the other top-k implementation (default: on)")
-    p.add_argument("--summary-dtype", default="bf16", choices=["bf16", "fp32"],
-                   help="dtype of the per-page key min/max summaries (default: the KV dtype)")
-    p.add_argument("--compare-summary-dtype", action="store_true",
-                   help="also time ours with summaries in the other dtype")
+    p.add_argument("--summary-dtype", default="bf16", choices=list(SUMMARY_DTYPES),
+                   help="dtype of the per-page key min/max summaries (default: the KV dtype; "
+                        "fp8: --sparse-summary-dtype fp8_e4m3, min down / max up)")
+    p.add_argument("--compare-summary-dtype", nargs="?", const="other", default=None,
+                   choices=["other", *SUMMARY_DTYPES],
+                   help="also time ours with summaries in this dtype (alone: the other of "
+                        "bf16 / fp32)")
+    p.add_argument("--label-dtype", default="auto", choices=["auto", "fp8_e4m3"],
+                   help="the label cache's storage (--sparse-label-dtype)")
+    p.add_argument("--scatter-selected", action=argparse.BooleanOptionalAction, default=True,
+                   help="the fused top-k scatters the winners' slots that the token scoring "
+                        "left (default: on; off: it assembles them from the winners)")
+    p.add_argument("--compare-scatter", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time ours with the other --scatter-selected")
     p.add_argument("--topk-radix-bits", type=int, default=8, choices=[5, 6, 7, 8],
                    help="digit width of the Triton radix top-k (see kernels/topk.py)")
     p.add_argument("--assemble-tile", type=int, default=None,
@@ -250,10 +261,13 @@ def selection_params(args):
     n_sel = args.budget - args.sink - args.window
     cand = args.candidate_blocks or max(1, 2 * -(-n_sel // args.block_size))
     return SelectionParams(args.method, args.budget, args.block_size, cand, args.sink,
-                           args.window)
+                           args.window, label_dtype=args.label_dtype,
+                           summary_dtype=SUMMARY_PARAM[args.summary_dtype])
 
 
-SUMMARY_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+SUMMARY_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp8": "float8_e4m3fn"}
+# --summary-dtype -> SelectionParams.summary_dtype (how the reference rounds the summaries)
+SUMMARY_PARAM = {"bf16": "auto", "fp32": "auto", "fp8": "fp8_e4m3"}
 
 
 def selection_config(params) -> dict:
@@ -264,7 +278,7 @@ def selection_config(params) -> dict:
 
 
 def summary_bytes_per_value(name: str) -> int:
-    return {"bf16": 2, "fp32": 4}[name]
+    return {"bf16": 2, "fp32": 4, "fp8": 1}[name]
 
 
 def floor_bytes(params, batch: int, context: int, num_channels: int,
@@ -513,7 +527,8 @@ def stage_builders(q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, 
             q, tok_keys, req_to_token, req_pool_indices, seq_lens, cand, bs, params.sink,
             params.window, channels=channels, num_blocks=ws.max_blocks,
             scores_out=ws.token_scores[:batch], return_positions=False,
-            keys_are_labels=labels is not None)[0]))
+            keys_are_labels=labels is not None,
+            cand_slots_out=ws.cand_slots[:batch] if ws.scatter_selected else None)[0]))
     return out
 
 
@@ -532,7 +547,7 @@ def run_check(args) -> bool:
         sparse_decode_batched_ref,
     )
     from sglang_ext.kernels.testing import case_generator, make_paged_batch, random_values
-    from sglang_ext.selection.reference import SelectionParams, block_minmax
+    from sglang_ext.selection.reference import SelectionParams, block_minmax, round_summaries
 
     ok = True
     bs = args.block_size
@@ -542,7 +557,7 @@ def run_check(args) -> bool:
     base = selection_params(args)
     for method in ("quest", "ds", "two_level"):
         params = SelectionParams(method, base.budget, bs, base.candidate_blocks, base.sink,
-                                 base.window)
+                                 base.window, summary_dtype=base.summary_dtype)
         for use_channels in (False, True):
             gen = case_generator("bench-check", method, use_channels)
             pb = make_paged_batch(gen, lens, HKV, HEAD_DIM, bs, dtype=torch.bfloat16,
@@ -552,7 +567,8 @@ def run_check(args) -> bool:
             for b, length in enumerate(lens):
                 row = int(pb.req_pool_indices[b])
                 pages = pb.req_to_token[row, :length:bs].long() // bs
-                ref_min, ref_max = block_minmax(pb.keys(b), bs)
+                ref_min, ref_max = round_summaries(*block_minmax(pb.keys(b), bs),
+                                                   params.summary_dtype)
                 bad_pages += int(((pb.kmin[pages].float() != ref_min)
                                   | (pb.kmax[pages].float() != ref_max)).flatten(1).any(1).sum())
             q = random_values(gen, len(lens), HQ, HEAD_DIM, dtype=torch.bfloat16, device="cuda",
@@ -707,8 +723,10 @@ def run_benchmark(args, device: str = "cuda") -> dict:
     k_buffer.normal_(generator=gen)
     v_buffer.normal_(generator=gen)
     summary_names = [args.summary_dtype]
-    if args.compare_summary_dtype:
+    if args.compare_summary_dtype == "other":
         summary_names.append("fp32" if args.summary_dtype == "bf16" else "bf16")
+    elif args.compare_summary_dtype not in (None, args.summary_dtype):
+        summary_names.append(args.compare_summary_dtype)
     summaries = {  # dtype name -> (kmin, kmax)
         name: build_page_summaries(torch, k_buffer, bs, getattr(torch, SUMMARY_DTYPES[name]))
         for name in summary_names}
@@ -723,7 +741,10 @@ def run_benchmark(args, device: str = "cuda") -> dict:
     if channels is not None and params.method in ("two_level", "ds"):
         from sglang_ext.kernels.label_cache import allocate_label_cache, update_label_cache
 
-        labels = allocate_label_cache(num_slots, HKV, r, dev, torch.bfloat16)
+        from sglang_ext.selection.reference import label_storage_dtype
+
+        labels = allocate_label_cache(num_slots, HKV, r, dev,
+                                      label_storage_dtype(args.label_dtype, torch.bfloat16))
         for s in range(0, num_slots, 1 << 20):
             e = min(s + (1 << 20), num_slots)
             update_label_cache(labels, k_buffer[s:e], torch.arange(s, e, device=dev), channels)
@@ -750,22 +771,26 @@ def run_benchmark(args, device: str = "cuda") -> dict:
             max_blocks = -(-context // bs)
 
             def ours(impl, select_only=False, summary=args.summary_dtype,
-                     precision=block_precision, use_labels=args.label_cache):
+                     precision=block_precision, use_labels=args.label_cache,
+                     scatter=args.scatter_selected):
                 lab = labels if use_labels else None
-                ws = SparseDecodeWorkspace(batch, HQ, HKV, HEAD_DIM, params, max_blocks, dev,
+                # the params as the summaries are stored (the workspace checks them)
+                prm = dataclasses.replace(params, summary_dtype=SUMMARY_PARAM[summary])
+                ws = SparseDecodeWorkspace(batch, HQ, HKV, HEAD_DIM, prm, max_blocks, dev,
                                            torch.bfloat16, topk_impl=impl,
                                            block_score_precision=precision,
                                            topk_radix_bits=args.topk_radix_bits,
                                            fuse_assemble=args.fuse_assemble,
-                                           assemble_tile=args.assemble_tile)
+                                           assemble_tile=args.assemble_tile,
+                                           scatter_selected=scatter)
                 lo, hi = summaries[summary]
                 if select_only:
                     return lambda: select_slots_batched(
                         q, k_buffer, req_to_token, req_pool_indices, seq_lens, lo, hi,
-                        params, channels=channels, workspace=ws, labels=lab)
+                        prm, channels=channels, workspace=ws, labels=lab)
                 return lambda: sparse_decode_batched(
                     q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, lo, hi,
-                    params, sm_scale, channels=channels, workspace=ws, labels=lab)
+                    prm, sm_scale, channels=channels, workspace=ws, labels=lab)
 
             outs = {}
             builders = [("ours", lambda: ours(args.topk_impl)),
@@ -779,6 +804,15 @@ def run_benchmark(args, device: str = "cuda") -> dict:
             for name in summary_names[1:]:
                 builders.append((f"ours_{name}_summaries",
                                  lambda name=name: ours(args.topk_impl, summary=name)))
+                builders.append((f"ours_{name}_summaries_select",
+                                 lambda name=name: ours(args.topk_impl, select_only=True,
+                                                        summary=name)))
+            if args.compare_scatter and params.method == "two_level":
+                other = "assembled" if args.scatter_selected else "scattered"
+                builders.append((f"ours_{other}", lambda: ours(
+                    args.topk_impl, scatter=not args.scatter_selected)))
+                builders.append((f"ours_{other}_select", lambda: ours(
+                    args.topk_impl, select_only=True, scatter=not args.scatter_selected)))
             other_precision = args.compare_block_score_precision
             if (other_precision not in ("none", args.block_score_precision)
                     and params.method != "ds"
@@ -805,7 +839,7 @@ def run_benchmark(args, device: str = "cuda") -> dict:
                     batch, HQ, HKV, HEAD_DIM, params, max_blocks, dev, torch.bfloat16,
                     topk_impl=args.topk_impl, block_score_precision=block_precision,
                     topk_radix_bits=args.topk_radix_bits, fuse_assemble=args.fuse_assemble,
-                    assemble_tile=args.assemble_tile)
+                    assemble_tile=args.assemble_tile, scatter_selected=args.scatter_selected)
                 stage_labels = labels if args.label_cache else None
                 stage_select = lambda: select_slots_batched(  # noqa: E731
                     q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, kmax, params,
@@ -869,6 +903,9 @@ def run_benchmark(args, device: str = "cuda") -> dict:
             "block_score_precision": args.block_score_precision,
             "compare_block_score_precision": args.compare_block_score_precision,
             "summary_dtype": args.summary_dtype,
+            "compare_summary_dtype": summary_names[1:],
+            "label_dtype": args.label_dtype,
+            "scatter_selected": args.scatter_selected,
             "topk_radix_bits": args.topk_radix_bits,
             "fuse_assemble": args.fuse_assemble,
             "assemble_tile": args.assemble_tile,

@@ -72,6 +72,9 @@ CONFIGS: dict[str, list[str]] = {
 # fp8 label cache: half its memory (more KV tokens, so more requests) and half the token
 # scoring's label reads
 CONFIGS["sglang_ext_fi_fp8"] = CONFIGS["sglang_ext_fi"] + ["--sparse-label-dtype", "fp8_e4m3"]
+# and fp8 page summaries (min down, max up): half the block scoring's reads, more KV tokens again
+CONFIGS["sglang_ext_fi_fp8s"] = CONFIGS["sglang_ext_fi_fp8"] + ["--sparse-summary-dtype",
+                                                               "fp8_e4m3"]
 # AsyncTLS's block filter one step ahead on a side stream, beside the GEMMs
 CONFIGS["sglang_ext_fi_async"] = CONFIGS["sglang_ext_fi"] + ["--sparse-block-filter", "async"]
 # the tier with FlashInfer's prefill (SGLang's triton extend takes ~40 s per 128k prompt)

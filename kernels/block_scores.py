@@ -34,6 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sglang_ext.kernels.block_summary import SUMMARY_DTYPES as _SUMMARY_DTYPES
+from sglang_ext.selection.reference import FP8_SUMMARIES
 from sglang_ext.kernels.sparse_attention import head_dim_tiling, sm_count
 from sglang_ext.selection.reference import quest_block_scores
 
@@ -140,7 +141,11 @@ def _score_tile(
                 if PRECISION == "tc":
                     # tensor cores on the 16-bit operands as stored: q and the summaries
                     # are both bf16 (or both fp16), q+ / q- are exact in that dtype, every
-                    # product is exact in fp32 and the GEMMs accumulate in fp32.
+                    # product is exact in fp32 and the GEMMs accumulate in fp32. fp8
+                    # summaries widen to q's dtype in registers (exact): half the bytes read.
+                    if kmax.dtype != q.dtype:
+                        kmax = kmax.to(q.dtype)
+                        kmin = kmin.to(q.dtype)
                     if INTERPRET:
                         # Triton's CPU interpreter compares and multiplies bf16 as raw
                         # integer bit patterns: the same (exact) values, widened to fp32
@@ -270,7 +275,8 @@ def quest_block_scores_batched(
     """Quest block scores of every request of a decode batch: float32 ``[B, Hkv, max_blocks]``.
 
     ``q`` ``[B, Hq, D]``; ``kmin``/``kmax`` ``[num_pages, Hkv, D]`` (page = slot //
-    block_size) in bf16, fp16 or float32, read in their dtype (2 bytes per value for bf16);
+    block_size) in bf16, fp16, float32 or float8_e4m3fn, read in their dtype (2 bytes per value
+    for bf16, 1 for fp8);
     ``req_to_token`` int32 ``[rows, max_context]``; ``req_pool_indices`` ``[B]``; ``seq_lens``
     ``[B]`` (the current token included). ``precision`` picks how the bound is computed:
     "ieee" (fp32 GEMMs on FMA units: exact fp32 products, so the top-k agrees with the fp32
@@ -308,9 +314,12 @@ def quest_block_scores_batched(
         q = q.contiguous()
     group = num_q_heads // num_kv_heads
     block_d, d_chunks = head_dim_tiling(head_dim)
+    # the tensor cores take q and the summaries in one 16-bit dtype (fp8 summaries widen to it)
+    tc_operands = (q.dtype in (torch.bfloat16, torch.float16)
+                   and kmin.dtype in (q.dtype, FP8_SUMMARIES))
     if precision is None:
         on_tensor_cores = (q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-                           and q.dtype == kmin.dtype and q.dtype in (torch.bfloat16, torch.float16))
+                           and tc_operands)
         narrow = group < 8 and d_chunks == 1
         precision = "tc" if on_tensor_cores else "fma" if narrow else "ieee"
     if precision not in ("ieee", "tf32x3", "fma", "tc"):
@@ -318,10 +327,9 @@ def quest_block_scores_batched(
     if precision == "fma" and d_chunks > 1:
         raise ValueError(f"precision 'fma' holds the whole head dim in one tile: D={head_dim} is "
                          f"walked in chunks, use ieee, tf32x3 or tc")
-    if precision == "tc" and not (q.dtype == kmin.dtype and q.dtype in (torch.bfloat16,
-                                                                         torch.float16)):
-        raise TypeError(f"precision 'tc' needs q and the summaries in one 16-bit dtype, got "
-                        f"{q.dtype} and {kmin.dtype}")
+    if precision == "tc" and not tc_operands:
+        raise TypeError(f"precision 'tc' needs q and the summaries in one 16-bit dtype (or fp8 "
+                        f"summaries), got {q.dtype} and {kmin.dtype}")
     if out is None:
         out = torch.empty(batch, num_kv_heads, max_blocks, dtype=torch.float32, device=q.device)
     if batch == 0 or max_blocks == 0:

@@ -6,6 +6,9 @@ summary is the summary of its page. The summaries of one layer are two tensors `
 of shape ``[num_pages, Hkv, D]`` in the KV dtype (bf16 by default; fp16 and float32 work too):
 the min/max of bf16 keys are bf16 values, so storing them in bf16 is exact and halves the bytes
 the block scoring reads (the dominant read of a long-context decode step) compared to float32.
+float8_e4m3fn summaries (``--sparse-summary-dtype fp8_e4m3``) halve them again: each min is
+rounded down and each max up to the fp8 grid (:func:`fp8_directed`), so the Quest bound they
+give is looser but still an upper bound (keys beyond ±448 saturate there).
 
 ``update_block_summaries`` is called with every batch of keys written to the pool (prefill
 chunks, decode tokens): a page whose first slot is written in this call starts clean (a freed
@@ -39,7 +42,41 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-SUMMARY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from sglang_ext.selection.reference import FP8_MAX, FP8_SUMMARIES, round_summaries
+
+FP8_LIMIT: tl.constexpr = tl.constexpr(FP8_MAX)
+
+SUMMARY_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_SUMMARIES)
+
+
+@triton.jit
+def fp8_directed(x, UP: tl.constexpr):
+    """fp32 ``x`` rounded to the float8_e4m3fn grid toward +inf (``UP``) or -inf, saturating at
+    ±448: the reference's :func:`~sglang_ext.selection.reference.to_fp8_directed`, bit for bit.
+    The fp8 code is built from the fp32 bits with integer arithmetic (no float conversion:
+    Triton's CPU interpreter converts to fp8 wrongly, off by more than one fp8 value): the
+    truncated code (sign-magnitude), plus one where the magnitude rounds away from zero and
+    anything was cut off; the carry out of the 3 mantissa bits is the next binade."""
+    x = tl.minimum(tl.maximum(x, -FP8_LIMIT), FP8_LIMIT)
+    bits = x.to(tl.int32, bitcast=True)
+    neg = bits < 0  # the sign bit: -0.0 stays negative zero, as torch's cast keeps it
+    mag = bits & 0x7FFFFFFF
+    exp32 = mag >> 23
+    normal = exp32 >= 121  # |x| >= 2**-6, fp8's smallest normal
+    code_normal = ((exp32 - 120) << 3) | ((mag >> 20) & 7)  # biased exponent (bias 7), 3 bits
+    cut_normal = (mag & 0xFFFFF) != 0
+    units = tl.abs(x) * 512.0  # subnormals: multiples of 2**-9 (exact scaling)
+    code_sub = units.to(tl.int32)
+    cut_sub = units != code_sub.to(tl.float32)
+    code = tl.where(normal, code_normal, code_sub)
+    cut = tl.where(normal, cut_normal, cut_sub)
+    if UP:
+        away = ~neg  # up: a positive magnitude grows, a negative one shrinks (truncation)
+    else:
+        away = neg
+    code = code + (away & cut).to(tl.int32)
+    code = tl.where(neg, code | 0x80, code)
+    return code.to(tl.int8).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
@@ -57,6 +94,7 @@ def _update_runs_kernel(
     HEAD_DIM: tl.constexpr,
     HD: tl.constexpr,
     BLOCK: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     n = tl.program_id(0)
     slot = tl.load(LOC + n).to(tl.int64)
@@ -91,12 +129,22 @@ def _update_runs_kernel(
     dst = page * stride_page + offs
     wmask = cmask & start
     fold = wmask & (reset == 0)  # reset: overwrite, do not read the stale summary
-    old_min = tl.load(KMIN + dst, mask=fold, other=float("inf")).to(tl.float32)
-    old_max = tl.load(KMAX + dst, mask=fold, other=float("-inf")).to(tl.float32)
+    # (fp8 has no inf: the masked loads' fill is applied in fp32)
+    old_min = tl.where(fold, tl.load(KMIN + dst, mask=fold, other=0.0).to(tl.float32),
+                       float("inf"))
+    old_max = tl.where(fold, tl.load(KMAX + dst, mask=fold, other=0.0).to(tl.float32),
+                       float("-inf"))
     new_min = tl.minimum(old_min, run_min)
     new_max = tl.maximum(old_max, run_max)
-    tl.store(KMIN + dst, new_min.to(KMIN.dtype.element_ty), mask=wmask)
-    tl.store(KMAX + dst, new_max.to(KMAX.dtype.element_ty), mask=wmask)
+    if FP8:
+        # min down, max up: the stored bound still bounds every key. Folding into a stored
+        # (already rounded) value is exact: round_down(min(a, b)) = min(round_down(a),
+        # round_down(b)) and a rounded value rounds to itself.
+        tl.store(KMIN + dst, fp8_directed(new_min, False), mask=wmask)
+        tl.store(KMAX + dst, fp8_directed(new_max, True), mask=wmask)
+    else:
+        tl.store(KMIN + dst, new_min.to(KMIN.dtype.element_ty), mask=wmask)
+        tl.store(KMAX + dst, new_max.to(KMAX.dtype.element_ty), mask=wmask)
 
 
 def update_block_summaries(
@@ -130,7 +178,7 @@ def update_block_summaries(
     num_heads, head_dim = kmin.shape[1], kmin.shape[2]
     if tuple(k_new.shape[1:]) != (num_heads, head_dim):
         raise ValueError(f"k_new {tuple(k_new.shape)} does not match summaries {tuple(kmin.shape)}")
-    if k_new.dtype != kmin.dtype and kmin.dtype != torch.float32:
+    if k_new.dtype != kmin.dtype and kmin.dtype in (torch.bfloat16, torch.float16):
         # Narrowing (e.g. fp32 keys into bf16 summaries): round with torch, so the rounding is
         # torch's round-to-nearest-even everywhere (Triton's CPU interpreter truncates). Not
         # needed when the summaries are in the KV dtype, the normal case.
@@ -159,6 +207,7 @@ def update_block_summaries(
         HEAD_DIM=head_dim,
         HD=hd,
         BLOCK=block,
+        FP8=kmin.dtype == FP8_SUMMARIES,
         num_warps=4,
     )
 
@@ -174,9 +223,12 @@ def update_block_summaries_ref(
     lo, hi = kmin.float(), kmax.float()  # exact: the summaries' values are representable
     lo[first] = float("inf")
     hi[first] = float("-inf")
-    flat = k_new.to(kmin.dtype).float().reshape(k_new.shape[0], -1)
+    fp8 = kmin.dtype == FP8_SUMMARIES
+    flat = (k_new.float() if fp8 else k_new.to(kmin.dtype).float()).reshape(k_new.shape[0], -1)
     lo.view(lo.shape[0], -1).index_reduce_(0, pages, flat, "amin", include_self=True)
     hi.view(hi.shape[0], -1).index_reduce_(0, pages, flat, "amax", include_self=True)
+    if fp8:  # (stored values round to themselves)
+        lo, hi = round_summaries(lo, hi, "fp8_e4m3")
     kmin.copy_(lo)
     kmax.copy_(hi)
 
@@ -191,11 +243,13 @@ def allocate_block_summaries(
 ) -> tuple[Tensor, Tensor]:
     """Empty (+inf / -inf) summaries for a pool of ``num_slots`` slots: ``(kmin, kmax)`` of
     ``dtype`` (use the KV dtype: bf16 / fp16 are exact for keys of that dtype; float32 for
-    anything else)."""
+    anything else; float8_e4m3fn, which has no inf, starts at +448 / -448 and rounds outward:
+    :func:`update_block_summaries`). A page's first write resets its summary either way."""
     if dtype not in SUMMARY_DTYPES:
         raise TypeError(f"summary dtype must be one of {SUMMARY_DTYPES}, got {dtype}")
     num_pages = -(-num_slots // page_size)
     shape = (num_pages, num_kv_heads, head_dim)
-    kmin = torch.full(shape, float("inf"), dtype=dtype, device=device)
-    kmax = torch.full(shape, float("-inf"), dtype=dtype, device=device)
+    empty = FP8_MAX if dtype == FP8_SUMMARIES else float("inf")
+    kmin = torch.full(shape, empty, dtype=dtype, device=device)
+    kmax = torch.full(shape, -empty, dtype=dtype, device=device)
     return kmin, kmax

@@ -75,6 +75,11 @@ from sglang_ext.selection.reference import (
 # budget 2048: 1024 took 14.5 us per layer against 20.8 us for the whole list in one pass
 # (operator_h200_bs32_b19_asm1024.json / _asm2048.json, CUDA graphs).
 ASSEMBLE_TILE = 1024
+# Registers per thread of the fused top-k + assembly: 128 keeps two 8-warp programs per SM (a
+# row of up to 4096 candidates), as the kernel compiled before the scatter; uncapped, the
+# scatter variant takes 166 (one program per SM, so a batch's 160+ rows run in two waves).
+# Capped, ptxas spills nothing (sm_90, cuobjdump --dump-resource-usage).
+TOPK_ASSEMBLE_MAXNREG = 128
 # How the selected part of the slot list is read back from the top-k results.
 _MODE_NONE = 0  # nothing selected (n_sel == 0, or quest with n_sel < bs)
 _MODE_BLOCKS = 1  # quest: top block ids; slot j -> block top[j // bs], offset j % bs
@@ -114,8 +119,11 @@ def _assemble_tile(
     MODE: tl.constexpr,
     WRITE_POS: tl.constexpr,
     HAS_PAGE_MAP: tl.constexpr,
+    SELECTED_ELSEWHERE: tl.constexpr = False,
 ):
-    """Slots ``j`` (a vector of slot-list indices) of (request ``b``, kv head ``g``)."""
+    """Slots ``j`` (a vector of slot-list indices) of (request ``b``, kv head ``g``).
+    ``SELECTED_ELSEWHERE``: a sparse row's selected part (from ``SINK + WINDOW`` on) is
+    written by the fused top-k's scatter; only its sink and window (and dense rows) here."""
     in_budget = j < BUDGET
     row = tl.load(REQ_POOL_INDICES + b).to(tl.int64)
     seq_len = tl.load(SEQ_LENS + b).to(tl.int64)
@@ -165,9 +173,12 @@ def _assemble_tile(
     else:
         slot = tl.load(REQ_TO_TOKEN + row * stride_r2t + pos, mask=has, other=-1)
         slot = tl.where(has, slot, -1)
-    tl.store(SLOTS + b * stride_sb + g * stride_sg + j, slot.to(tl.int32), mask=in_budget)
+    store = in_budget
+    if SELECTED_ELSEWHERE:
+        store = store & ((seq_len <= BUDGET) | (j < SINK + WINDOW))
+    tl.store(SLOTS + b * stride_sb + g * stride_sg + j, slot.to(tl.int32), mask=store)
     if WRITE_POS:
-        tl.store(POSITIONS + b * stride_pb + g * stride_pg + j, pos.to(tl.int32), mask=in_budget)
+        tl.store(POSITIONS + b * stride_pb + g * stride_pg + j, pos.to(tl.int32), mask=store)
 
 
 @triton.jit
@@ -256,10 +267,19 @@ def _topk_assemble_kernel(
     N_ROWS,
     HAS_K_ROWS: tl.constexpr,
     HAS_N_ROWS: tl.constexpr,
+    CAND_SLOTS,
+    CAND_POS,
+    SCATTER: tl.constexpr,
 ):
     """The last top-k of the selection and the slot assembly of its row, in one program per
-    (request, kv head): the winners go to TOP (global scratch, re-read from L1/L2 after a CTA
-    barrier) and the row's whole slot list is written from them."""
+    (request, kv head).
+
+    ``SCATTER`` (two_level): the token scoring left each candidate token's slot (and position)
+    beside its score (``CAND_SLOTS`` / ``CAND_POS``, the scores' strides), so the top-k's
+    compaction writes the winners' slots straight into the slot list; the tiles then write
+    only the sink and window (or a dense row whole). Otherwise the winners go to TOP (global
+    scratch, re-read from L1/L2 after a CTA barrier) and the whole slot list is assembled
+    from them: per slot a chain of dependent loads, winner -> candidate block -> slot."""
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     k_row = None
@@ -268,19 +288,50 @@ def _topk_assemble_kernel(
         k_row = tl.load(K_ROWS + b)
     if HAS_N_ROWS:
         n_row = tl.load(N_ROWS + b)
-    _topk_row(
-        SCORES + b * stride_scb + g * stride_scg, TOP + b * stride_tb + g * stride_tg,
-        N, K, BLOCK, OUT_BLOCK, RESIDENT, RADIX_BITS, EARLY_EXIT, k_row, n_row,
-    )
-    tl.debug_barrier()  # the row's winners, written by all threads, are visible to all
-    for t in tl.static_range((BUDGET + ASM_BLOCK - 1) // ASM_BLOCK):
-        j = t * ASM_BLOCK + tl.arange(0, ASM_BLOCK)
-        _assemble_tile(
-            b, g, j, REQ_TO_TOKEN, REQ_POOL_INDICES, SEQ_LENS, TOP, CAND, SLOTS, POSITIONS,
-            PAGE_MAP, stride_r2t, stride_tb, stride_tg, stride_cb, stride_cg, stride_sb,
-            stride_sg, stride_pb, stride_pg, stride_mr, stride_mg, BUDGET, SINK, WINDOW,
-            BLOCK_SIZE, NUM_TOP, MODE, WRITE_POS, HAS_PAGE_MAP,
+    row_scores = SCORES + b * stride_scb + g * stride_scg
+    if SCATTER:
+        seq_len = tl.load(SEQ_LENS + b)
+        sparse_row = seq_len > BUDGET  # a dense row's list is positions 0 .. L-1 (tiles below)
+        sel_slots = SLOTS + b * stride_sb + g * stride_sg + SINK + WINDOW
+        cand_slots = CAND_SLOTS + b * stride_scb + g * stride_scg
+        if WRITE_POS:
+            _topk_row(
+                row_scores, sel_slots, N, K, BLOCK, OUT_BLOCK, RESIDENT, RADIX_BITS,
+                EARLY_EXIT, k_row, n_row, payload=cand_slots,
+                dst2=POSITIONS + b * stride_pb + g * stride_pg + SINK + WINDOW,
+                payload2=CAND_POS + b * stride_scb + g * stride_scg, write=sparse_row,
+            )
+        else:
+            _topk_row(
+                row_scores, sel_slots, N, K, BLOCK, OUT_BLOCK, RESIDENT, RADIX_BITS,
+                EARLY_EXIT, k_row, n_row, payload=cand_slots, write=sparse_row,
+            )
+        # the tiles left: a sparse row's sink and window, a dense row's whole list
+        tiles_end = tl.where(sparse_row, SINK + WINDOW, BUDGET)
+        for t in tl.static_range((BUDGET + ASM_BLOCK - 1) // ASM_BLOCK):
+            if t * ASM_BLOCK < tiles_end:
+                j = t * ASM_BLOCK + tl.arange(0, ASM_BLOCK)
+                _assemble_tile(
+                    b, g, j, REQ_TO_TOKEN, REQ_POOL_INDICES, SEQ_LENS, TOP, CAND, SLOTS,
+                    POSITIONS, PAGE_MAP, stride_r2t, stride_tb, stride_tg, stride_cb,
+                    stride_cg, stride_sb, stride_sg, stride_pb, stride_pg, stride_mr,
+                    stride_mg, BUDGET, SINK, WINDOW, BLOCK_SIZE, NUM_TOP, 0,  # _MODE_NONE
+                    WRITE_POS, HAS_PAGE_MAP, SELECTED_ELSEWHERE=True,
+                )
+    else:
+        _topk_row(
+            row_scores, TOP + b * stride_tb + g * stride_tg,
+            N, K, BLOCK, OUT_BLOCK, RESIDENT, RADIX_BITS, EARLY_EXIT, k_row, n_row,
         )
+        tl.debug_barrier()  # the row's winners, written by all threads, are visible to all
+        for t in tl.static_range((BUDGET + ASM_BLOCK - 1) // ASM_BLOCK):
+            j = t * ASM_BLOCK + tl.arange(0, ASM_BLOCK)
+            _assemble_tile(
+                b, g, j, REQ_TO_TOKEN, REQ_POOL_INDICES, SEQ_LENS, TOP, CAND, SLOTS, POSITIONS,
+                PAGE_MAP, stride_r2t, stride_tb, stride_tg, stride_cb, stride_cg, stride_sb,
+                stride_sg, stride_pb, stride_pg, stride_mr, stride_mg, BUDGET, SINK, WINDOW,
+                BLOCK_SIZE, NUM_TOP, MODE, WRITE_POS, HAS_PAGE_MAP,
+            )
 
 
 def _selection_plan(params: SelectionParams, max_blocks: int) -> tuple[int, int, int]:
@@ -313,6 +364,10 @@ class SparseDecodeWorkspace:
     slot assembly as one kernel (one launch less per step); False keeps them separate.
     ``assemble_tile``: slots the fused kernel assembles per pass (default ``ASSEMBLE_TILE``;
     each pass is one chain of dependent loads, winner -> candidate block -> req_to_token).
+    ``scatter_selected`` (two_level with the fused kernel): the token scoring also writes each
+    candidate token's slot and position, and the fused top-k scatters its winners' straight
+    into the slot list (no chain of loads per slot); False assembles them as above. The slot
+    lists are identical.
     """
 
     def __init__(
@@ -331,6 +386,7 @@ class SparseDecodeWorkspace:
         topk_radix_bits: int = 8,
         fuse_assemble: bool = True,
         assemble_tile: int = ASSEMBLE_TILE,
+        scatter_selected: bool = True,
     ) -> None:
         if num_q_heads % num_kv_heads:
             raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
@@ -351,6 +407,8 @@ class SparseDecodeWorkspace:
             raise ValueError(f"assemble_tile must be a power of two >= 16, got {assemble_tile}")
         self.assemble_tile = assemble_tile
         self.mode, self.k_blocks, self.k_tokens = _selection_plan(params, max_blocks)
+        self.scatter_selected = (scatter_selected and self.fuse_assemble
+                                 and self.mode == _MODE_CAND_TOKENS)
 
         bs = params.block_size
         kw = {"device": self.device}
@@ -364,6 +422,10 @@ class SparseDecodeWorkspace:
             num_cand = self.k_blocks if self.mode == _MODE_CAND_TOKENS else max_blocks
             self.token_scores = torch.empty(*shape, num_cand * bs, dtype=f32, **kw)
             self.top_tokens = torch.empty(*shape, self.k_tokens, dtype=i32, **kw)
+        self.cand_slots = self.cand_positions = None
+        if self.scatter_selected:
+            self.cand_slots = torch.empty_like(self.token_scores, dtype=i32)
+            self.cand_positions = torch.empty_like(self.token_scores, dtype=i32)
         self.slots = torch.empty(*shape, params.budget, dtype=i32, **kw)
         self.positions = torch.empty(*shape, params.budget, dtype=i32, **kw)
         self.attended_bitmap = self.gamma = None
@@ -514,6 +576,10 @@ def select_slots_batched(
     if k_block_rows is not None and ws.mode == _MODE_CAND_TOKENS:
         n_token_rows = k_block_rows * bs
 
+    write_pos = return_positions or locality is not None
+    # The fused top-k scatters the winners' slots (and positions) that the token scoring left.
+    scatter = ws.scatter_selected and ws.k_tokens > 0
+
     def run_topk(scores, k, out, last, k_rows, n_rows=None):
         nonlocal final
         # The tier needs the block filter's result before the assembly: no fusion then.
@@ -565,6 +631,8 @@ def select_slots_batched(
             return_positions=False, page_map=page_map,
             forced_blocks=ws.block_scores[:batch] if locality is not None else None,
             keys_are_labels=from_labels,
+            cand_slots_out=ws.cand_slots[:batch] if scatter else None,
+            cand_positions_out=ws.cand_positions[:batch] if scatter and write_pos else None,
         )
         if on_token_scores is not None:
             on_token_scores(tok_scores, cand)
@@ -586,7 +654,7 @@ def select_slots_batched(
         consts = dict(
             BUDGET=params.budget, SINK=params.sink, WINDOW=params.window, BLOCK_SIZE=bs,
             NUM_TOP=ws.k_blocks if ws.mode == _MODE_BLOCKS else ws.k_tokens, MODE=ws.mode,
-            WRITE_POS=return_positions or locality is not None,
+            WRITE_POS=write_pos,
             HAS_PAGE_MAP=page_map is not None,
         )
         block = min(1024, triton.next_power_of_2(params.budget))
@@ -600,8 +668,11 @@ def select_slots_batched(
                 K_ROWS=slots if k_rows is None else k_rows, HAS_K_ROWS=k_rows is not None,
                 N_ROWS=slots if n_rows is None else n_rows, HAS_N_ROWS=n_rows is not None,
                 ASM_BLOCK=min(ws.assemble_tile, triton.next_power_of_2(params.budget)),
+                CAND_SLOTS=ws.cand_slots if scatter else slots,
+                CAND_POS=ws.cand_positions if scatter else slots, SCATTER=scatter,
                 EARLY_EXIT=True, **consts,
                 **topk_launch_config(fscores.shape[-1], k, ws.topk_radix_bits),
+                maxnreg=TOPK_ASSEMBLE_MAXNREG,
             )
         if locality is not None:
             locality_gamma_batched(locality, positions, slots, req_pool_indices, seq_lens,

@@ -84,12 +84,15 @@ def make_paged_batch(
     spare_pages: int = 5,
     summary_dtype: torch.dtype | None = None,
     latent_values: int | None = None,
+    value_scale: float = 1.0,
 ) -> PagedBatch:
     """A batch of requests of lengths ``lens`` (``seq_len`` includes the current token, whose
     k/v is written), with block summaries built by :func:`update_block_summaries` from the KV
     written in ``summary_chunks`` rounds (each round writes a random-length chunk of every
     request in one call, so chunk boundaries fall inside pages). ``summary_chunks=0`` skips
-    the summaries. The summaries are in ``summary_dtype`` (default: the KV ``dtype``).
+    the summaries. The summaries are in ``summary_dtype`` (default: the KV ``dtype``; the
+    garbage they start with saturates at fp8's ±448 for float8_e4m3fn). ``value_scale``
+    multiplies the requests' keys (not with ``dyadic``).
 
     ``latent_values=R`` lays the pool out as SGLang's MLA pool: ``v_buffer`` is the view
     ``k_buffer[..., :R]`` (the latent part of each row; ``head_dim_v`` is then ``R``)."""
@@ -128,9 +131,8 @@ def make_paged_batch(
         req_to_token[rows[b], :n] = slots[:n].int()
         slots = slots[:length]  # the last page's tail stays unwritten (stale TRAP values)
         slots_of.append(slots)
-        k_buffer[slots] = random_values(
-            gen, length, num_kv_heads, head_dim, dtype=dtype, dyadic=dyadic
-        )
+        k_buffer[slots] = (random_values(gen, length, num_kv_heads, head_dim, dyadic=dyadic)
+                           * value_scale).to(dtype)
         v_buffer[slots] = random_values(gen, length, num_kv_heads, head_dim_v, dtype=dtype)
 
     k_buffer = k_buffer.to(device)
@@ -155,6 +157,8 @@ def make_paged_batch(
     kmax = torch.randn(num_pages, num_kv_heads, head_dim, generator=gen) + 5
     kmin[TRAP_PAGE], kmax[TRAP_PAGE] = -TRAP * 4, TRAP * 4
     summary_dtype = dtype if summary_dtype is None else summary_dtype
+    if summary_dtype == torch.float8_e4m3fn:
+        kmin, kmax = kmin.clamp(-448, 448), kmax.clamp(-448, 448)
     kmin = kmin.to(device=device, dtype=summary_dtype)
     kmax = kmax.to(device=device, dtype=summary_dtype)
     cuts = []

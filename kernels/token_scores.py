@@ -38,6 +38,8 @@ def _label_token_scores_kernel(
     POSITIONS,
     PAGE_MAP,
     FORCED,
+    CAND_SLOTS,
+    CAND_POS,
     num_cand,
     sink,
     window,
@@ -68,6 +70,8 @@ def _label_token_scores_kernel(
     WRITE_POS: tl.constexpr,
     HAS_PAGE_MAP: tl.constexpr,
     HAS_FORCED: tl.constexpr,
+    WRITE_CAND_SLOTS: tl.constexpr,
+    WRITE_CAND_POS: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -130,7 +134,16 @@ def _label_token_scores_kernel(
                          other=0.0)
         score = tl.where(valid & (forced == float("inf")), float("inf"), score)
     out_mask = in_range
-    tl.store(SCORES + b.to(tl.int64) * stride_ob + g * stride_og + t, score, mask=out_mask)
+    out_off = b.to(tl.int64) * stride_ob + g * stride_og + t
+    tl.store(SCORES + out_off, score, mask=out_mask)
+    # What a winner puts in the slot list (the fused top-k scatters it): its KV slot (-1 where
+    # not resident), and its position whenever its block is a candidate (the cooperative
+    # attention reads the positions of the winners the device does not hold).
+    if WRITE_CAND_SLOTS:
+        tl.store(CAND_SLOTS + out_off, tl.where(valid, slot, -1).to(tl.int32), mask=out_mask)
+    if WRITE_CAND_POS:
+        tl.store(CAND_POS + out_off, tl.where(in_range & (blk >= 0), pos, -1).to(tl.int32),
+                 mask=out_mask)
     if WRITE_POS:
         tl.store(
             POSITIONS + b.to(tl.int64) * stride_pb + g * stride_pg + t,
@@ -157,6 +170,8 @@ def label_token_scores_batched(
     page_map: Tensor | None = None,
     forced_blocks: Tensor | None = None,
     keys_are_labels: bool = False,
+    cand_slots_out: Tensor | None = None,
+    cand_positions_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Token scores of the candidate blocks of every (request, kv head).
 
@@ -173,6 +188,12 @@ def label_token_scores_batched(
     ``channels[g, i]``), so the keys are read whole and only the queries at ``channels`` (the
     same products in the same order as reading the channels from the pool's keys; the query
     gather happens in the kernel, not as separate launches).
+
+    ``cand_slots_out`` / ``cand_positions_out`` (int32, the scores' shape and strides): also
+    write each candidate token's KV slot (``-1`` where its score is ``-inf`` for lying outside
+    the middle or in a block that is not resident) and its position (``-1`` only in a ``-1``
+    candidate): what a winner contributes to the slot list, which the fused top-k of
+    :mod:`sparse_decode` scatters without looking anything up again.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -213,6 +234,11 @@ def label_token_scores_batched(
     # Keep the gathered key tile around 4K elements per program.
     # (measured on the H200 with the label cache: 64-2048 tokens x 1-8 warps all within 3%)
     block_t = max(block_size, min(triton.next_power_of_2(n_tok), max(16, 4096 // block_ch)))
+    for extra in (cand_slots_out, cand_positions_out):
+        if extra is not None and (extra.dtype != torch.int32 or extra.shape != scores_out.shape
+                                  or extra.stride() != scores_out.stride()):
+            raise ValueError("cand_slots_out / cand_positions_out must be int32 with the "
+                             "scores' shape and strides")
     dummy = scores_out
     grid = (batch, num_kv_heads, triton.cdiv(n_tok, block_t))
     _label_token_scores_kernel[grid](
@@ -227,6 +253,8 @@ def label_token_scores_batched(
         positions_out if positions_out is not None else dummy,
         page_map if page_map is not None else dummy,
         forced_blocks if forced_blocks is not None else dummy,
+        cand_slots_out if cand_slots_out is not None else dummy,
+        cand_positions_out if cand_positions_out is not None else dummy,
         num_cand,
         sink,
         window,
@@ -257,6 +285,8 @@ def label_token_scores_batched(
         WRITE_POS=positions_out is not None,
         HAS_PAGE_MAP=page_map is not None,
         HAS_FORCED=forced_blocks is not None,
+        WRITE_CAND_SLOTS=cand_slots_out is not None,
+        WRITE_CAND_POS=cand_positions_out is not None,
         num_warps=4,
     )
     return scores_out, positions_out

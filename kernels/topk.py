@@ -78,12 +78,22 @@ def _topk_row(
     EARLY_EXIT: tl.constexpr,
     k_row=None,
     n_row=None,
+    payload=None,
+    dst2=None,
+    payload2=None,
+    write=None,
 ):
     """The top-k of one row: ``dst[0:K]`` = the winners' indices into ``src[0:N]`` in
     ascending order, ``-1`` padded (the whole program works on this row). ``k_row`` (a runtime
     value <= K, or None for K) lowers this row's k: the accuracy guard's per-request budgets.
     ``n_row`` (runtime, or None for N) says that entries from there on are all ``-inf``: the
-    streaming passes skip those blocks."""
+    streaming passes skip those blocks.
+
+    ``payload`` (int32 ``[N]``, or None): each winner writes ``payload[i]`` instead of its index
+    ``i`` (same order, same ``-1`` padding), so a caller that wants something looked up per
+    winner (the selected tokens' KV slots) gets it straight from the compaction, without a
+    second pass over the winners. ``dst2`` / ``payload2``: a second such output. ``write``
+    (a runtime bool, or None for True): False writes nothing at all."""
     offs0 = tl.arange(0, BLOCK)
     if n_row is not None:
         n_lim = tl.minimum(n_row, N)
@@ -91,7 +101,6 @@ def _topk_row(
         n_lim = N
     NUM_BINS: tl.constexpr = 1 << RADIX_BITS
     NUM_PASSES: tl.constexpr = (32 + RADIX_BITS - 1) // RADIX_BITS
-
     if RESIDENT:
         x_res = tl.load(src + offs0, mask=offs0 < N, other=float("-inf"))
         valid_res = x_res > float("-inf")  # NaN is never selected either
@@ -153,8 +162,17 @@ def _topk_row(
         before = tl.cumsum(packed, axis=0) - packed
         eq_before = before & 0xFFFF
         take = gt | (eq & (eq_before < remaining))
+        if write is not None:
+            take = take & write
         pos = (before >> 16) + tl.minimum(eq_before, remaining)
-        tl.store(dst + pos, offs0, mask=take)
+        if payload is not None:
+            # loaded here, not beside the scores: held through the select, they cost a CTA
+            # per SM at 8 warps (164 registers a thread against 128)
+            tl.store(dst + pos, tl.load(payload + offs0, mask=take, other=-1), mask=take)
+        else:
+            tl.store(dst + pos, offs0, mask=take)
+        if payload2 is not None:
+            tl.store(dst2 + pos, tl.load(payload2 + offs0, mask=take, other=-1), mask=take)
     else:
         gt_seen = tl.zeros([], tl.int32)
         eq_seen = tl.zeros([], tl.int32)
@@ -170,8 +188,16 @@ def _topk_row(
                 before = tl.cumsum(packed, axis=0) - packed
                 eq_before = eq_seen + (before & 0xFFFF)
                 take = gt | (eq & (eq_before < remaining))
+                if write is not None:
+                    take = take & write
                 pos = gt_seen + (before >> 16) + tl.minimum(eq_before, remaining)
-                tl.store(dst + pos, offs, mask=take)
+                if payload is not None:
+                    tl.store(dst + pos, tl.load(payload + offs, mask=take, other=-1), mask=take)
+                else:
+                    tl.store(dst + pos, offs, mask=take)
+                if payload2 is not None:
+                    tl.store(dst2 + pos, tl.load(payload2 + offs, mask=take, other=-1),
+                             mask=take)
                 block_counts = tl.sum(packed, axis=0)
                 gt_seen += block_counts >> 16
                 eq_seen += block_counts & 0xFFFF
@@ -179,7 +205,12 @@ def _topk_row(
     # ---- pad with -1: exactly k_eff winners were written -------------------------------------
     for start in range(0, K, OUT_BLOCK):
         o = start + tl.arange(0, OUT_BLOCK)
-        tl.store(dst + o, tl.full([OUT_BLOCK], -1, tl.int32), mask=(o >= k_eff) & (o < K))
+        pad = (o >= k_eff) & (o < K)
+        if write is not None:
+            pad = pad & write
+        tl.store(dst + o, tl.full([OUT_BLOCK], -1, tl.int32), mask=pad)
+        if payload2 is not None:
+            tl.store(dst2 + o, tl.full([OUT_BLOCK], -1, tl.int32), mask=pad)
 
 
 @triton.jit

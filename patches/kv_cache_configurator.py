@@ -44,16 +44,23 @@ def _tier_config(configurator: Any) -> Optional[Any]:
     return cfg if cfg.tier != "off" else None
 
 
+def summary_bytes(cfg: Any, kv_bytes: int) -> int:
+    """Bytes per page-summary value: one with --sparse-summary-dtype fp8_e4m3, else the KV
+    dtype's (float32 under an 8-bit KV: PageSummaries)."""
+    if cfg.summary_dtype == "fp8_e4m3":
+        return 1
+    return kv_bytes if kv_bytes >= 2 else 4
+
+
 def side_buffer_share(cfg: Any, head_dim: int, v_head_dim: int, kv_bytes: int) -> float:
     """Bytes of the batched decode's side buffers per byte of KV, per token (no tier): page
-    summaries (kmin + kmax, in the KV dtype, float32 under an 8-bit KV), for methods that
+    summaries (kmin + kmax, :func:`summary_bytes` per value), for methods that
     score tokens by label channels with a label config, the label cache (KV dtype, or one byte
     per channel with fp8 labels), and with
     the locality constraint its page eviction scores (its per-row state is logged, not here).
     ``v_head_dim`` counts the value dims stored beside the key: 0 for an MLA pool, whose one
     row of R + P values per token is both (selection/mla.py's KVLayout)."""
-    summary_bytes = kv_bytes if kv_bytes >= 2 else 4
-    side = 2 * head_dim / cfg.block_size * summary_bytes
+    side = 2 * head_dim / cfg.block_size * summary_bytes(cfg, kv_bytes)
     if cfg.keeps_label_cache:
         label_bytes = 1 if cfg.label_dtype == "fp8_e4m3" else kv_bytes
         side += min(cfg.label_channels, head_dim) * label_bytes
@@ -136,7 +143,8 @@ def _around_derive_pool_sizes(original: Callable, self: Any, *, config: Any) -> 
             max_prefill_tokens=max_prefill, num_slots=max(k_blocks, 1), sink=cfg.sink,
             window=cfg.window,
             # key min + max per block (head_dim values each) over a token's K + V row
-            summary_tokens_per_token=2.0 * layout.head_dim / row_dims / cfg.block_size,
+            summary_tokens_per_token=(2.0 * layout.head_dim * summary_bytes(cfg, elem)
+                                      / (row_dims * elem) / cfg.block_size),
             gpu_tokens=cfg.tier_gpu_tokens, layers=layers,
         )
     except ValueError as e:

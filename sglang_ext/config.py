@@ -14,7 +14,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from sglang_ext.selection.reference import LABEL_DTYPES, METHODS, SCORINGS
+from sglang_ext.selection.reference import (
+    LABEL_DTYPES,
+    METHODS,
+    SCORINGS,
+    SUMMARY_DTYPE_NAMES,
+)
 
 BACKEND_NAME = "sglang_ext"  # --attention-backend / --decode-attention-backend value
 DENSE_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
@@ -44,6 +49,7 @@ class SparseConfig:
     label_channels: int = 16
     label_config: Optional[str] = None
     label_dtype: str = "auto"  # the label cache's storage: see LABEL_DTYPES
+    summary_dtype: str = "auto"  # the page summaries' storage: see SUMMARY_DTYPE_NAMES
     dense_backend: str = "auto"
     impl: str = "auto"
     tier: str = "off"
@@ -122,6 +128,12 @@ _FLAGS: tuple[tuple[str, str, str, str], ...] = (
      "memory, so more KV tokens fit, and half the token scoring's reads). The reference "
      "decode rounds the same way. Needs --sparse-label-config, --sparse-method two_level or "
      "ds, and no --sparse-tier."),
+    ("summary_dtype", "--sparse-summary-dtype", "{" + ",".join(SUMMARY_DTYPE_NAMES) + "}",
+     "How the page summaries (the block filter's per-block key min/max) are stored: auto (the "
+     "KV cache's dtype, exact) or fp8_e4m3 (one byte per value, each min rounded down and "
+     "each max up, so the Quest bound stays an upper bound; keys beyond +-448 saturate): half "
+     "the summaries' memory, so more KV tokens fit, and half the block scoring's reads; the "
+     "looser bound may rank blocks otherwise. The reference decode rounds the same way."),
     ("dense_backend", "--sparse-dense-backend", "{" + ",".join(DENSE_BACKENDS) + "}",
      "SGLang backend used for prefill/extend (auto: torch_native on CPU, triton on CUDA)."),
     ("impl", "--sparse-impl", "{" + ",".join(IMPLS) + "}",
@@ -305,6 +317,8 @@ def _validate(cfg: SparseConfig) -> None:
     if cfg.label_dtype != "auto" and not cfg.keeps_label_cache:
         fail("label_dtype", "needs the label cache: --sparse-label-config, --sparse-method "
              "two_level or ds, and no --sparse-tier")
+    if cfg.summary_dtype not in SUMMARY_DTYPE_NAMES:
+        fail("summary_dtype", f"must be one of {', '.join(SUMMARY_DTYPE_NAMES)}")
     if cfg.tier not in TIER_MODES:
         fail("tier", f"must be one of {', '.join(TIER_MODES)}")
     if cfg.tier_host_gb < 0:

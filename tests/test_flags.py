@@ -26,6 +26,7 @@ from server_utils import LABELS, free_port, launch_command, server_env
         ({"label_config": "/nonexistent.json"}, "--sparse-label-config"),
         ({"label_dtype": "int4"}, "--sparse-label-dtype"),
         ({"label_dtype": "fp8_e4m3"}, "--sparse-label-dtype"),  # no label config: no cache
+        ({"summary_dtype": "fp16"}, "--sparse-summary-dtype"),
         ({"dense_backend": "fa9"}, "--sparse-dense-backend"),
         ({"tier": "on"}, "--sparse-tier"),
         ({"tier": "async", "method": "ds"}, "--sparse-tier"),
@@ -68,6 +69,14 @@ def test_fp8_labels_need_the_label_cache():
     for values in ({"tier": "sync"}, {"method": "quest"}):
         with pytest.raises(ConfigError, match="--sparse-label-dtype needs the label cache"):
             build_config(label_dtype="fp8_e4m3", **labels, **values)
+
+
+def test_fp8_summaries_reach_every_request():
+    from sglang_ext.attention.request_overrides import parse_override
+
+    base = build_config(summary_dtype="fp8_e4m3")
+    assert parse_override(None, base).summary_dtype == "fp8_e4m3"
+    assert parse_override({"sparse": {"method": "quest"}}, base).summary_dtype == "fp8_e4m3"
 
 
 def test_fp8_label_servers_take_label_free_request_overrides():

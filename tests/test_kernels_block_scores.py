@@ -17,7 +17,7 @@ from sglang_ext.kernels.testing import (
     make_paged_batch,
     random_values,
 )
-from sglang_ext.selection.reference import block_minmax, quest_block_scores
+from sglang_ext.selection.reference import block_minmax, quest_block_scores, round_summaries
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
@@ -27,7 +27,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 HEADS = [(4, 4), (6, 2), (4, 1)]
 
 
-def _check(pb, q, sink, window, rtol=1e-5, atol=1e-4, precision=None):
+def _check(pb, q, sink, window, rtol=1e-5, atol=1e-4, precision=None, summary_dtype="auto"):
     bs = pb.page_size
     shape = (q.shape[0], pb.k_buffer.shape[1], pb.max_blocks)
     out = torch.full(shape, float("nan"), device=q.device)
@@ -53,7 +53,8 @@ def _check(pb, q, sink, window, rtol=1e-5, atol=1e-4, precision=None):
             continue
         first, last = lo // bs, (hi - 1) // bs
         keys = pb.keys(b)[first * bs : (last + 1) * bs]
-        expect = quest_block_scores(q[b], *block_minmax(keys, bs))
+        expect = quest_block_scores(q[b], *round_summaries(*block_minmax(keys, bs),
+                                                           summary_dtype))
         torch.testing.assert_close(got[b, :, first : last + 1], expect, rtol=rtol, atol=atol)
         assert finite[b, :, first : last + 1].all() and finite[b].sum() == expect.numel()
 
@@ -120,6 +121,38 @@ def test_tensor_core_path():
                                                       precision="tc", block_nb=block_nb), tc)
     with pytest.raises(TypeError):
         quest_block_scores_batched(qd.float(), dy.kmin, dy.kmax, *common, precision="tc")
+
+
+@pytest.mark.parametrize("precision", ["fma", "ieee", "tc"])
+def test_fp8_summaries(precision):
+    """fp8 summaries (min rounded down, max up) are read as stored: the scores of the reference
+    on those values, and of the selection reference rounding the keys' block min/max alike;
+    on dyadic values the tensor-core path equals "fma" bit for bit."""
+    gen = case_generator("block_scores_fp8", precision)
+    lens = [45, 77, 9]
+    pb = make_paged_batch(gen, lens, 2, 32, 4, dtype=torch.bfloat16, device=DEVICE,
+                          summary_dtype=torch.float8_e4m3fn, value_scale=3.0)
+    q = random_values(gen, 3, 8, 32, dtype=torch.bfloat16, device=DEVICE)
+    _check(pb, q, 3, 5, precision=precision, summary_dtype="fp8_e4m3")
+    dy = make_paged_batch(gen, lens, 2, 32, 4, dtype=torch.bfloat16, device=DEVICE, dyadic=True,
+                          summary_dtype=torch.float8_e4m3fn)
+    qd = random_values(gen, 3, 8, 32, dtype=torch.bfloat16, device=DEVICE, dyadic=True)
+    common = (dy.req_to_token, dy.req_pool_indices, dy.seq_lens, 4, 3, 5, dy.max_blocks)
+    assert torch.equal(quest_block_scores_batched(qd, dy.kmin, dy.kmax, *common, precision="tc"),
+                       quest_block_scores_batched(qd, dy.kmin, dy.kmax, *common, precision="fma"))
+
+
+@gpu
+@needs_cuda
+def test_gpu_fp8_summaries_real_shapes():
+    """fp8 summaries on the tensor cores (the GPU default), Qwen3-8B shapes at block 32."""
+    gen = case_generator("gpu-block-scores-fp8")
+    pb = make_paged_batch(gen, [32768, 4099, 1], 8, 128, 32, dtype=torch.bfloat16,
+                          device="cuda", max_context=32768 + 64, summary_chunks=2,
+                          summary_dtype=torch.float8_e4m3fn)
+    q = random_values(gen, 3, 32, 128, dtype=torch.bfloat16, device="cuda")
+    _check(pb, q, sink=16, window=64, rtol=1e-5, atol=1e-3 * math.sqrt(128),
+           summary_dtype="fp8_e4m3")
 
 
 @gpu

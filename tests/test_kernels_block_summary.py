@@ -19,7 +19,9 @@ from sglang_ext.kernels.testing import (
     make_paged_batch,
     random_values,
 )
-from sglang_ext.selection.reference import block_minmax
+from sglang_ext.selection.reference import block_minmax, round_summaries
+
+FP8 = torch.float8_e4m3fn
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
@@ -27,11 +29,13 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _check_against_block_minmax(pb):
-    """Every page of every request equals the reference summary of its block."""
+    """Every page of every request equals the reference summary of its block (fp8 summaries:
+    rounded outward, as the reference rounds them)."""
     bs = pb.page_size
     for b, length in enumerate(pb.lens):
         row = int(pb.req_pool_indices[b])
-        ref_min, ref_max = block_minmax(pb.keys(b), bs)
+        ref_min, ref_max = round_summaries(*block_minmax(pb.keys(b), bs),
+                                           "fp8_e4m3" if pb.kmin.dtype == FP8 else "auto")
         pages = pb.req_to_token[row, : length : bs].long() // bs
         assert torch.equal(pb.kmin[pages].float(), ref_min), f"request {b}: kmin"
         assert torch.equal(pb.kmax[pages].float(), ref_max), f"request {b}: kmax"
@@ -81,15 +85,15 @@ def _sglang_like_calls(gen, page_size, num_pages, num_reqs=4, num_calls=9):
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 8])
-@pytest.mark.parametrize("summary_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("summary_dtype", [torch.bfloat16, torch.float32, FP8])
 def test_matches_reference_call_by_call(page_size, summary_dtype):
     """Prefill chunks (chunk boundaries inside pages), decode steps and several requests per
     call, written into a pool with stale summaries: after every call the kernel's summaries
     equal the torch reference's, untouched pages included (bit for bit)."""
     gen = case_generator("calls", page_size, summary_dtype)
     hkv, d, num_pages = 2, 16, 40
-    kmin = random_values(gen, num_pages, hkv, d, dtype=summary_dtype, device=DEVICE)
-    kmax = kmin + 1
+    kmin = random_values(gen, num_pages, hkv, d, device=DEVICE)
+    kmin, kmax = kmin.to(summary_dtype), (kmin + 1).to(summary_dtype)
     kmin_ref, kmax_ref = kmin.clone(), kmax.clone()
     calls = _sglang_like_calls(gen, page_size, num_pages)
     assert any(loc.numel() > page_size for loc in calls)  # multi-page chunks were written
@@ -98,7 +102,31 @@ def test_matches_reference_call_by_call(page_size, summary_dtype):
         loc = loc.to(DEVICE)
         update_block_summaries(kmin, kmax, keys, loc, page_size)
         update_block_summaries_ref(kmin_ref, kmax_ref, keys, loc, page_size)
-        assert torch.equal(kmin, kmin_ref) and torch.equal(kmax, kmax_ref)
+        assert _same_bits(kmin, kmin_ref) and _same_bits(kmax, kmax_ref)
+
+
+def _same_bits(a, b) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 40.0, 1000.0])
+def test_fp8_summaries_bound_every_key(scale):
+    """fp8 summaries (--sparse-summary-dtype fp8_e4m3) over chunked writes: each page's min is
+    the largest fp8 value <= its keys' min and its max the smallest >= their max (subnormals
+    at 1e-3; keys beyond ±448 saturate there at 1000), bit for bit what the reference gives."""
+    gen = case_generator("fp8-bound", scale)
+    lens = [1, 4, 5, 11, 37]
+    pb = make_paged_batch(gen, lens, 2, 16, 4, dtype=torch.bfloat16, device=DEVICE,
+                          summary_chunks=4, summary_dtype=FP8, value_scale=scale)
+    assert pb.kmin.dtype == FP8
+    _check_against_block_minmax(pb)
+    for b, length in enumerate(lens):
+        pages = pb.req_to_token[int(pb.req_pool_indices[b]), :length:4].long() // 4
+        lo, hi = block_minmax(pb.keys(b), 4)
+        assert (pb.kmin[pages].float() <= lo.clamp(-448, 448)).all()
+        assert (pb.kmax[pages].float() >= hi.clamp(-448, 448)).all()
+    empty_lo, empty_hi = allocate_block_summaries(8, 2, 16, 4, DEVICE, dtype=FP8)
+    assert (empty_lo.float() == 448).all() and (empty_hi.float() == -448).all()
 
 
 def test_cuda_graph_padding_writes_slot_zero():
@@ -179,6 +207,28 @@ def test_gpu_real_shapes():
     update_block_summaries_ref(kmin_ref, kmax_ref, keys, loc, 16)
     torch.cuda.synchronize()
     assert torch.equal(pb.kmin, kmin_ref) and torch.equal(pb.kmax, kmax_ref)
+
+
+@gpu
+@needs_cuda
+def test_gpu_fp8_summaries_real_shapes():
+    """fp8 summaries compiled on the GPU (Qwen3-8B shapes, page 32, chunked prefills of ~32k):
+    every page equals the reference's outward rounding of its block, and SGLang-like calls
+    equal the torch reference bit for bit after every call."""
+    gen = case_generator("gpu-fp8-summary")
+    pb = make_paged_batch(gen, [32768, 20001, 33], 8, 128, 32, dtype=torch.bfloat16,
+                          device="cuda", summary_chunks=4, summary_dtype=FP8)
+    _check_against_block_minmax(pb)
+    kmin = random_values(gen, 64, 8, 128, device="cuda").to(FP8)
+    kmax = (kmin.float() + 1).to(FP8)
+    kmin_ref, kmax_ref = kmin.clone(), kmax.clone()
+    for loc in _sglang_like_calls(gen, 32, 64, num_reqs=8, num_calls=12):
+        keys = random_values(gen, loc.numel(), 8, 128, dtype=torch.bfloat16, device="cuda")
+        loc = loc.cuda()
+        update_block_summaries(kmin, kmax, keys, loc, 32)
+        update_block_summaries_ref(kmin_ref, kmax_ref, keys, loc, 32)
+        torch.cuda.synchronize()
+        assert _same_bits(kmin, kmin_ref) and _same_bits(kmax, kmax_ref)
 
 
 @gpu

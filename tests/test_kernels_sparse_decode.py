@@ -7,6 +7,8 @@ that are ``req_to_token`` of those positions, outputs/LSE within tolerance.
 """
 
 
+import dataclasses
+
 import torch
 
 
@@ -236,8 +238,9 @@ def test_padding_entries_and_workspace_reuse():
 @pytest.mark.parametrize("method", ["quest", "ds", "two_level"])
 def test_unfused_assembly_and_radix_bits(method):
     """The separate top-k + assembly launches (fuse_assemble=False), a 6-bit radix, the
-    tensor-core block scores and the fused assembly in 16-slot passes give the oracle's sets
-    too, and the same slots as the default (fused, 8-bit, fma, one pass) path."""
+    tensor-core block scores, the fused assembly in 16-slot passes and (two_level) the fused
+    kernel assembling the winners' slots instead of scattering them give the oracle's sets too,
+    and the same slots as the default (fused, scattered, 8-bit, fma, one pass) path."""
     hq, hkv, d, bs = 6, 2, 32, 4
     params = SelectionParams(method, 24, bs, 4, 3, 5)
     gen = case_generator("unfused", method)
@@ -247,7 +250,8 @@ def test_unfused_assembly_and_radix_bits(method):
             params)
     default = select_slots_batched(*args).clone()
     for kw in (dict(fuse_assemble=False), dict(topk_radix_bits=6),
-               dict(block_score_precision="tc"), dict(assemble_tile=16)):
+               dict(block_score_precision="tc"), dict(assemble_tile=16),
+               dict(scatter_selected=False), dict(scatter_selected=False, assemble_tile=16)):
         if method == "ds" and "block_score_precision" in kw:
             continue  # no block scores
         ws = SparseDecodeWorkspace(3, hq, hkv, d, params, pb.max_blocks, DEVICE, torch.bfloat16,
@@ -288,6 +292,34 @@ def test_float32_summaries_select_the_same():
     got_bf16 = select_slots_batched(*common, pb.kmin, pb.kmax, params).clone()
     got_fp32 = select_slots_batched(*common, pb.kmin.float(), pb.kmax.float(), params)
     assert torch.equal(got_bf16, got_fp32)
+
+
+def _fp8_summaries_select_what_the_reference_selects(method, device, lens, hq, hkv, d, bs,
+                                                     budget, cand, sink, window):
+    """fp8 summaries (--sparse-summary-dtype fp8_e4m3, built by the update kernel) and params
+    that say so: the pipeline's sets are the oracle's, which rounds the keys' block min/max
+    alike; and the rounding matters on this data (the exact summaries' oracle differs)."""
+    gen = case_generator("fp8-summaries", method, device)
+    params = SelectionParams(method, budget, bs, cand, sink, window, summary_dtype="fp8_e4m3")
+    pb = make_paged_batch(gen, lens, hkv, d, bs, dtype=torch.bfloat16, device=device,
+                          summary_dtype=torch.float8_e4m3fn)
+    q = random_values(gen, len(lens), hq, d, dtype=torch.bfloat16, device=device)
+    channels = _channels(gen, hkv, d, max(1, d // 8), device)
+    _run_and_check(pb, q, params, channels)
+    exact = dataclasses.replace(params, summary_dtype="auto")
+    tail = (pb.req_to_token, pb.req_pool_indices, pb.seq_lens)
+    _, _, masks = sparse_decode_batched_ref(q, pb.k_buffer, pb.v_buffer, *tail, params, 1.0,
+                                            channels)
+    _, _, exact_masks = sparse_decode_batched_ref(q, pb.k_buffer, pb.v_buffer, *tail, exact,
+                                                  1.0, channels)
+    assert any(not torch.equal(m, e) for m, e in zip(masks, exact_masks)), \
+        "fp8 rounding changed no selection: the test data cannot tell"
+
+
+@pytest.mark.parametrize("method", ["quest", "two_level"])
+def test_fp8_summaries_select_what_the_reference_selects(method):
+    _fp8_summaries_select_what_the_reference_selects(method, DEVICE, [20, 90, 151, 260], 6, 2,
+                                                     32, 4, 32, 4, 4, 4)
 
 
 def test_torch_topk_impl():
@@ -346,8 +378,9 @@ def test_gpu_tensor_core_block_scores_exact(method):
 @needs_cuda
 @pytest.mark.parametrize("method", ["quest", "ds", "two_level"])
 def test_gpu_selection_variants_same_slots(method):
-    """Real shapes, continuous values: float32 summaries, the unfused top-k + assembly and a
-    6-bit radix select exactly the slots of the default path (bf16 summaries, fused)."""
+    """Real shapes, continuous values: float32 summaries, the unfused top-k + assembly, a
+    6-bit radix and the fused kernel assembling instead of scattering the winners' slots select
+    exactly the slots of the default path (bf16 summaries, fused, scattered)."""
     gen = case_generator("gpu-variants", method)
     pb = make_paged_batch(gen, GPU_LENS, 8, 128, 16, dtype=torch.bfloat16, device="cuda",
                           summary_chunks=4)
@@ -365,11 +398,21 @@ def test_gpu_selection_variants_same_slots(method):
     for summaries, kw in (((pb.kmin.float(), pb.kmax.float()), {}),
                           ((pb.kmin, pb.kmax), dict(fuse_assemble=False)),
                           ((pb.kmin, pb.kmax), dict(topk_radix_bits=6)),
-                          ((pb.kmin, pb.kmax), dict(assemble_tile=1024))):
+                          ((pb.kmin, pb.kmax), dict(assemble_tile=1024)),
+                          ((pb.kmin, pb.kmax), dict(scatter_selected=False))):
         ws = SparseDecodeWorkspace(4, 32, 8, 128, params, pb.max_blocks, "cuda", torch.bfloat16,
                                    **fma, **kw)
         got = select_slots_batched(*common, *summaries, params, channels=channels, workspace=ws)
         assert torch.equal(got, default), kw
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("method", ["quest", "two_level"])
+def test_gpu_fp8_summaries_real_shapes(method):
+    """The same at a Qwen3-8B layer's shapes, budget 2048, block 32."""
+    _fp8_summaries_select_what_the_reference_selects(method, "cuda", [4097, 20000, 33000], 32,
+                                                     8, 128, 32, 2048, 124, 16, 64)
 
 
 @gpu

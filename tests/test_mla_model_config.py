@@ -83,6 +83,7 @@ def test_startup_refuses_the_tier_on_quantised_mla_rows_in_one_line(mla_config, 
     ({"head_policy": __file__}, "--sparse-head-policy"),
     ({"eviction_head": __file__}, "--sparse-eviction-head"),
     ({"locality_blocks": 2}, "--sparse-locality-blocks"),
+    ({"summary_dtype": "fp8_e4m3"}, "--sparse-summary-dtype fp8_e4m3"),
 ])
 def test_startup_refuses_what_mla_lacks_in_one_line(mla_config, values, flag):
     from sglang_ext.config import build_config

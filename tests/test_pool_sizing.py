@@ -30,6 +30,10 @@ def test_side_buffer_share():
     fp8 = build_config(method="two_level", block_size=32, label_channels=16,
                        label_dtype="fp8_e4m3", **labels)
     assert side_buffer_share(fp8, 128, 128, 2) == pytest.approx((16 + 16) / 512)
+    # and fp8 summaries: 8 values x 1 byte
+    fp8s = build_config(method="two_level", block_size=32, label_channels=16,
+                        label_dtype="fp8_e4m3", summary_dtype="fp8_e4m3", **labels)
+    assert side_buffer_share(fp8s, 128, 128, 2) == pytest.approx((8 + 16) / 512)
 
 
 def _configurator(device: str, max_total_tokens=None, tier: str = "off", model_config=None):

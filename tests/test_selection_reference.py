@@ -27,6 +27,11 @@ from sglang_ext.selection import (
     sparse_attention_with_lse,
     sparse_decode,
 )
+from sglang_ext.selection.reference import (
+    BatchedSparseDecode,
+    round_summaries,
+    to_fp8_directed,
+)
 
 # (Hq, Hkv): MHA, GQA 9/3, GQA 32/8, MQA.
 HEADS = [(4, 4), (9, 3), (32, 8), (8, 1)]
@@ -450,3 +455,60 @@ def test_params_validation(kwargs: dict) -> None:
     base = dict(method="ds", budget=64, block_size=16, candidate_blocks=4, sink=4, window=8)
     with pytest.raises(ValueError):
         SelectionParams(**{**base, **kwargs})
+
+
+def test_fp8_directed_rounding_brackets_every_value() -> None:
+    """``to_fp8_directed`` gives the nearest fp8 value on the asked side (checked against every
+    finite float8_e4m3fn value), -0 and subnormals included, saturating at ±448."""
+    fp8 = torch.float8_e4m3fn
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).float()
+    grid = grid[torch.isfinite(grid)].unique().sort().values
+    gen = _gen("fp8-directed")
+    x = torch.cat([torch.randn(4000, generator=gen) * s for s in (1e-3, 0.05, 1, 30, 1000)]
+                  + [grid, grid * 1.01, torch.tensor([0.0, -0.0, 2 ** -9, -(2 ** -10)])])
+    clamped = x.clamp(-448, 448)
+    up = to_fp8_directed(x, up=True).float()
+    down = to_fp8_directed(x, up=False).float()
+    assert torch.equal(up, grid[torch.searchsorted(grid, clamped)])
+    assert torch.equal(down, grid[torch.searchsorted(grid, clamped, right=True) - 1])
+    kmin, kmax = round_summaries(x, x, "fp8_e4m3")
+    assert torch.equal(kmin, down) and torch.equal(kmax, up)
+    assert round_summaries(x, x, "auto")[0] is x
+
+
+@pytest.mark.parametrize("label_dtype, summary_dtype",
+                         [("fp8_e4m3", "auto"), ("auto", "fp8_e4m3"), ("fp8_e4m3", "fp8_e4m3")])
+def test_batched_reference_scores_stored_labels_and_summaries(label_dtype: str,
+                                                             summary_dtype: str) -> None:
+    """The CPU server's batched reference decode (``BatchedSparseDecode``) rounds the labels and
+    the summaries as the server stores them, request for request the same output as
+    ``sparse_decode`` with those params; and the rounding changes what is selected here (so the
+    comparison can tell a decode that ignores it)."""
+    hq, hkv, length = 6, 2, 300
+    gen = _gen("batched-stored", label_dtype, summary_dtype)
+    lengths = [length, length - 37, length - 101]
+    keys = [_randn(gen, n, hkv, D) * 3 for n in lengths]
+    values = [_randn(gen, n, hkv, DV) for n in lengths]
+    pool_k = torch.cat(keys)
+    pool_v = torch.cat(values)
+    starts = [0, lengths[0], lengths[0] + lengths[1]]
+    rows = torch.zeros(3, length, dtype=torch.long)
+    for i, (s, n) in enumerate(zip(starts, lengths)):
+        rows[i, :n] = torch.arange(s, s + n)
+    channels = _random_channels(gen, hkv)
+    q = _randn(gen, 3, hq, D)
+    base = SelectionParams("two_level", 48, 4, 16, 4, 8)  # 64 candidates for 36 tokens
+    stored = SelectionParams("two_level", 48, 4, 16, 4, 8, label_dtype=label_dtype,
+                             summary_dtype=summary_dtype)
+    out = BatchedSparseDecode(rows, lengths, [stored] * 3).decode(q, pool_k, pool_v, SM_SCALE,
+                                                                channels)
+    changed = False
+    for i in range(3):
+        expected = sparse_decode(q[i], keys[i], values[i], stored, SM_SCALE, channels)
+        torch.testing.assert_close(out[i], expected, rtol=1e-5, atol=1e-5)
+        changed |= not torch.equal(
+            select_token_mask(q[i], keys[i], stored, channels),
+            select_token_mask(q[i], keys[i], base, channels))
+    assert changed
+    with pytest.raises(ValueError, match="one label_dtype"):
+        BatchedSparseDecode(rows, lengths, [stored, base, stored], split_families=False)

@@ -42,7 +42,7 @@ import requests  # noqa: E402
 from benchmarks.accuracy import runner as R  # noqa: E402
 from benchmarks.accuracy import tasks as T  # noqa: E402
 from server_utils import LABELS, MODEL_DIR, Server  # noqa: E402  (tests/server_utils.py)
-from sglang_ext.selection.reference import LABEL_DTYPES  # noqa: E402
+from sglang_ext.selection.reference import LABEL_DTYPES, SUMMARY_DTYPE_NAMES  # noqa: E402
 
 DEFAULT_OUT = os.path.join(REPO, "benchmarks", "results", "accuracy_smollm2.json")
 DEFAULT_CONTEXTS = (1024, 2048, 4096)
@@ -79,20 +79,23 @@ SUITE_SERVER_ARGS = ["--chunked-prefill-size", "8192", "--max-running-requests",
 def sparse_server_args(block_size: int, dense_decode: str = "float32",
                        head_policy: Optional[str] = None,
                        eviction_head: Optional[str] = None,
-                       label_dtype: str = "auto") -> list[str]:
+                       label_dtype: str = "auto", summary_dtype: str = "auto") -> list[str]:
     """Our backend; method and budget come with each request, the block size too (so the flag
     only sets the default). ``dense_decode``: how the dense requests decode (float32 by default:
     the same attention as SGLang's bf16 SDPA call, ~8x faster per request on a CPU).
     ``head_policy``: a per-head policy file (the ``head_policy`` method's requests use it).
     ``eviction_head``: trained eviction heads (the ``locality_learned`` and
     ``locality_limited_learned`` methods' requests). ``label_dtype``: how the label channels
-    are stored (``--sparse-label-dtype``; server-wide, so one run per dtype)."""
+    are stored (``--sparse-label-dtype``; server-wide, so one run per dtype), ``summary_dtype``
+    the page summaries (``--sparse-summary-dtype``, likewise)."""
     args = ["--attention-backend", "sglang_ext", "--sparse-block-size", str(block_size),
             "--sparse-dense-decode", dense_decode]
     if os.path.exists(LABELS):
         args += ["--sparse-label-config", LABELS]
     if label_dtype != "auto":
         args += ["--sparse-label-dtype", label_dtype]
+    if summary_dtype != "auto":
+        args += ["--sparse-summary-dtype", summary_dtype]
     if head_policy:
         args += ["--sparse-head-policy", head_policy]
     if eviction_head:
@@ -124,6 +127,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--label-dtype", default="auto", choices=LABEL_DTYPES,
                    help="the servers' --sparse-label-dtype (fp8_e4m3: the label channels rounded "
                         "to fp8, as the fp8 label cache stores them)")
+    p.add_argument("--summary-dtype", default="auto", choices=SUMMARY_DTYPE_NAMES,
+                   help="the servers' --sparse-summary-dtype (fp8_e4m3: each block's key min "
+                        "rounded down and max up to fp8, as the fp8 summaries store them)")
     p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="samples per (task, context)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help="tokens per block (4 for this CPU model; 16 is the GPU default)")
@@ -322,7 +328,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             server_desc = f"external: {' '.join(urls)}"
         else:
             server_args = sparse_server_args(args.block_size, args.dense_decode, args.head_policy,
-                                             args.eviction_head, args.label_dtype)
+                                             args.eviction_head, args.label_dtype,
+                                             args.summary_dtype)
             # One torch (OpenMP) thread per core and server, so servers do not preempt each other.
             os.environ["OMP_NUM_THREADS"] = str(threads_per_server)
             urls = [sv.url for sv in guard.start(server_args, "sglang_ext", args.servers)]

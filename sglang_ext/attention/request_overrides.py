@@ -45,6 +45,7 @@ def selection_params(cfg: SparseConfig, use_head_policy: Optional[bool] = None) 
         locality_new_blocks=cfg.locality_new_blocks,
         block_filter=cfg.block_filter,
         label_dtype=cfg.label_dtype,
+        summary_dtype=cfg.summary_dtype,
     )
 
 

@@ -43,7 +43,11 @@ from sglang_ext.selection.guard import (
     widened,
 )
 from sglang_ext.selection.mla import kv_layout, mla_unsupported, pool_kv_lora_rank
-from sglang_ext.selection.reference import BatchedSparseDecode, SelectionParams
+from sglang_ext.selection.reference import (
+    BatchedSparseDecode,
+    SelectionParams,
+    summary_storage_dtype,
+)
 from sglang_ext.tensor_parallel import attn_tp, rank_kv_heads
 
 if TYPE_CHECKING:
@@ -66,24 +70,20 @@ class PageSummaries:
     """Per-layer running key min/max of every KV page (the Quest block summaries).
 
     Kept in the KV dtype when it is bf16/fp16 (exact for keys of that dtype, half the bytes of
-    float32 for the decode step to read), float32 otherwise (e.g. an fp8 KV cache)."""
+    float32 for the decode step to read), float32 otherwise (e.g. an fp8 KV cache), or in fp8
+    rounded outward with --sparse-summary-dtype fp8_e4m3 (``summary_storage_dtype``)."""
 
     kmin: list[torch.Tensor]  # per layer: [num_pages, Hkv, D], see summary_dtype
     kmax: list[torch.Tensor]
     page_size: int
 
-    @staticmethod
-    def summary_dtype(kv_dtype: torch.dtype) -> torch.dtype:
-        if kv_dtype in (torch.bfloat16, torch.float16, torch.float32):
-            return kv_dtype
-        return torch.float32
-
     @classmethod
-    def allocate(cls, pool: Any, page_size: int, device: Any) -> "PageSummaries":
+    def allocate(cls, pool: Any, page_size: int, device: Any,
+                 summary_dtype: str = "auto") -> "PageSummaries":
         from sglang_ext.kernels.block_summary import allocate_block_summaries
 
         k0 = pool.get_key_buffer(pool.start_layer)
-        dtype = cls.summary_dtype(k0.dtype)
+        dtype = summary_storage_dtype(summary_dtype, k0.dtype)
         # Summaries are keyed by logical page: with the CPU tier that is more than the device.
         num_slots = getattr(pool, "logical_size", k0.shape[0] - page_size) + page_size
         kmin, kmax = [], []
@@ -202,7 +202,8 @@ class SparseDecodeBackend(AttentionBackend):
                     f"--sparse-impl triton needs --page-size == --sparse-block-size "
                     f"(got {page_size} and {config.block_size})"
                 )
-            self.summaries = PageSummaries.allocate(self.token_to_kv_pool, page_size, self.device)
+            self.summaries = PageSummaries.allocate(self.token_to_kv_pool, page_size, self.device,
+                                                    config.summary_dtype)
             self.labels = self._allocate_label_cache()
             if self.guard is not None:
                 self._allocate_guard_state()

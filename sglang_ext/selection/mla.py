@@ -77,6 +77,7 @@ _MLA_UNSUPPORTED = (
     ("locality_blocks", "--sparse-locality-blocks", lambda v: v > 0),
     ("cooperative", "--sparse-cooperative", lambda v: v == "on"),
     ("block_filter", "--sparse-block-filter async", lambda v: v == "async"),
+    ("summary_dtype", "--sparse-summary-dtype fp8_e4m3", lambda v: v != "auto"),
 )
 
 

@@ -29,6 +29,13 @@ SCORINGS = ("score", "output_aware")
 # "fp8_e4m3" (one byte each: half the memory and token-scoring reads of bf16 labels).
 LABEL_DTYPES = ("auto", "fp8_e4m3")
 _FP8_LABELS = torch.float8_e4m3fn
+# How the page summaries (Quest's per-block key min / max) are stored: "auto" in the KV dtype
+# (exact), or "fp8_e4m3" (one byte per value: half the memory and the block scoring's reads of
+# bf16), each min rounded down and each max rounded up to the fp8 grid, so that the bound stays
+# an upper bound of every q·k in the block (up to keys beyond ±448, where fp8 saturates).
+SUMMARY_DTYPE_NAMES = ("auto", "fp8_e4m3")
+FP8_SUMMARIES = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
 def label_storage_dtype(label_dtype: str, kv_dtype: torch.dtype) -> torch.dtype:
@@ -47,6 +54,49 @@ def to_label_storage(x: Tensor, dtype: torch.dtype) -> Tensor:
     return x.to(dtype)
 
 
+def summary_storage_dtype(summary_dtype: str, kv_dtype: torch.dtype) -> torch.dtype:
+    """The page summaries' torch dtype for ``summary_dtype`` (one of
+    :data:`SUMMARY_DTYPE_NAMES`): "auto" keeps a 16-bit or float32 KV dtype (exact) and takes
+    float32 for anything else."""
+    if summary_dtype not in SUMMARY_DTYPE_NAMES:
+        raise ValueError(f"summary_dtype must be one of {SUMMARY_DTYPE_NAMES}, got "
+                         f"{summary_dtype!r}")
+    if summary_dtype == "fp8_e4m3":
+        return FP8_SUMMARIES
+    if kv_dtype in (torch.bfloat16, torch.float16, torch.float32):
+        return kv_dtype
+    return torch.float32
+
+
+def to_fp8_directed(x: Tensor, up: bool) -> Tensor:
+    """``x`` rounded to the float8_e4m3fn grid toward +inf (``up``) or -inf, as float8_e4m3fn.
+    Values beyond ±448 saturate there (a plain cast would make them NaN). The kernels round the
+    same way (:mod:`~sglang_ext.kernels.block_summary`): one round to nearest, then a step of
+    one fp8 value where that went the wrong way."""
+    x = x.float().clamp(-FP8_MAX, FP8_MAX)
+    bits = x.to(FP8_SUMMARIES).view(torch.uint8).to(torch.int32)
+    back = bits.to(torch.uint8).view(FP8_SUMMARIES).float()
+    neg = bits >= 0x80  # sign-magnitude: a step away from zero is +1 on either side
+    if up:
+        step = back < x
+        new = torch.where(neg, torch.where(bits == 0x80, 0x01, bits - 1), bits + 1)
+    else:
+        step = back > x
+        new = torch.where(neg, bits + 1, torch.where(bits == 0x00, 0x81, bits - 1))
+    return torch.where(step, new, bits).to(torch.uint8).view(FP8_SUMMARIES)
+
+
+def round_summaries(kmin: Tensor, kmax: Tensor, summary_dtype: str) -> tuple[Tensor, Tensor]:
+    """Block summaries as ``summary_dtype`` stores them, in float32: fp8 rounds every min down
+    and every max up (:func:`to_fp8_directed`); "auto" keeps them (exact)."""
+    if summary_dtype == "auto":
+        return kmin, kmax
+    if summary_dtype != "fp8_e4m3":
+        raise ValueError(f"summary_dtype must be one of {SUMMARY_DTYPE_NAMES}, got "
+                         f"{summary_dtype!r}")
+    return to_fp8_directed(kmin, up=False).float(), to_fp8_directed(kmax, up=True).float()
+
+
 @dataclass(frozen=True)
 class SelectionParams:
     """Token-selection configuration of one layer.
@@ -63,6 +113,9 @@ class SelectionParams:
     the previous step's block filter (0 = no limit), which bounds a host tier's transfers.
     ``block_filter`` (quest, two_level): "async" ranks the blocks with the previous step's query
     and length (AsyncTLS's asynchronous filter; ``select_token_mask``'s ``block_query``).
+    ``label_dtype`` / ``summary_dtype``: how the server stores the label channels and the page
+    summaries (:data:`LABEL_DTYPES`, :data:`SUMMARY_DTYPE_NAMES`); the reference scores the
+    values as stored, so that it selects what the kernels select.
     """
 
     method: str
@@ -78,6 +131,7 @@ class SelectionParams:
     locality_new_blocks: int = 0
     block_filter: str = "sync"
     label_dtype: str = "auto"
+    summary_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -106,6 +160,9 @@ class SelectionParams:
                              f"got {self.block_filter!r} with {self.method!r}")
         if self.label_dtype not in LABEL_DTYPES:
             raise ValueError(f"label_dtype must be one of {LABEL_DTYPES}, got {self.label_dtype!r}")
+        if self.summary_dtype not in SUMMARY_DTYPE_NAMES:
+            raise ValueError(f"summary_dtype must be one of {SUMMARY_DTYPE_NAMES}, got "
+                             f"{self.summary_dtype!r}")
         if self.method == "two_level" and self.candidate_blocks < 1:
             raise ValueError(
                 f"two_level needs candidate_blocks >= 1, got {self.candidate_blocks}"
@@ -234,8 +291,9 @@ def _select_middle(
         # The slice starts on a block boundary, so its blocks are exactly the candidate blocks,
         # summarised over all their positions (sink/window ones included), like the KV pool
         # pages.
+        summaries = block_minmax(keys[first * bs : (last + 1) * bs], bs)
         block_scores = quest_block_scores(block_q,
-                                          *block_minmax(keys[first * bs : (last + 1) * bs], bs))
+                                          *round_summaries(*summaries, params.summary_dtype))
         if params.method == "quest":
             num_kept = n_sel // bs  # whole blocks only, so the budget is never exceeded
         else:
@@ -486,6 +544,15 @@ class BatchedSparseDecode:
         self.batch = len(seq_lens)
         self.max_len = max(seq_lens)
         self.params = list(params)
+        # How the labels and summaries are stored is the server's (quest scores no labels, ds
+        # no summaries): one setting each for the batch.
+        label_dtypes = {p.label_dtype for p in params if p.method != "quest"}
+        summary_dtypes = {p.summary_dtype for p in params if p.method != "ds"}
+        if len(label_dtypes) > 1 or len(summary_dtypes) > 1:
+            raise ValueError(f"one label_dtype and one summary_dtype per batch, got "
+                             f"{sorted(label_dtypes)} and {sorted(summary_dtypes)}")
+        self.label_dtype = label_dtypes.pop() if label_dtypes else "auto"
+        self.summary_dtype = summary_dtypes.pop() if summary_dtypes else "auto"
         lengths = torch.tensor(seq_lens, device=dev)
         pos = torch.arange(self.max_len, device=dev)
         valid = pos < lengths[:, None]
@@ -593,14 +660,18 @@ class BatchedSparseDecode:
             if channels is not None:
                 qs = qg.gather(2, channels[:, None, :].expand(-1, qg.shape[1], -1))
                 ks = ku.gather(2, channels[None].expand(ku.shape[0], -1, -1))
+                if self.label_dtype != "auto":  # the labels as the label cache stores them
+                    ks = to_label_storage(ks, label_storage_dtype(self.label_dtype, ks.dtype))
             ks_t = ks.float().permute(1, 2, 0)  # [Hkv, C, U]
             tok_scores = self._pairwise_max(qs, ks_t, self.inv).transpose(0, 1)  # [B, Hkv, Lmax]
 
         for g in self.block_groups:
             b = g["members"]
             kb = ku.index_select(0, g["block_u"].reshape(-1)).view(*g["block_u"].shape, *ku.shape[1:])  # [UB, bs, Hkv, D]
-            kmin = kb.amin(dim=1).float().permute(1, 2, 0)  # [Hkv, D, UB]
-            kmax = kb.amax(dim=1).float().permute(1, 2, 0)
+            kmin, kmax = round_summaries(kb.amin(dim=1).float(), kb.amax(dim=1).float(),
+                                         self.summary_dtype)
+            kmin = kmin.permute(1, 2, 0)  # [Hkv, D, UB]
+            kmax = kmax.permute(1, 2, 0)
             qb = qg.view(num_kv, batch, group, dim)[:, b].reshape(num_kv, -1, dim)
             bound = self._bound(qb, kmin, kmax, g["binv"])  # [Hkv, Bg, NB]
             bound = bound.transpose(0, 1).masked_fill(~g["cand"][:, None], neg_inf)  # [Bg, Hkv, NB]
