@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    p.add_argument("--results-name", default="sparse_attention_h200",
+                   help="results file name (.json, .png beside it) in --out")
     p.add_argument("--stages", default="attention,block_scores")
     p.add_argument("--batches", default="4,17,30")
     p.add_argument("--selected", type=int, default=2048, help="slots per (request, kv head)")
@@ -67,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-dead-tiles", default="1",
                    help="block scores: 1 = stop at each request's last block, 0 = compute the "
                         "whole static grid masked")
+    p.add_argument("--summary-dtype", default="bf16", choices=["bf16", "fp8"],
+                   help="block scores: the page summaries' storage (fp8: "
+                        "--sparse-summary-dtype fp8_e4m3, one byte per value)")
     p.add_argument("--tiles-per-program", default="1",
                    help="block scores: consecutive tiles per program (a pipelined loop)")
     p.add_argument("--iters", type=int, default=20)
@@ -191,6 +196,13 @@ def run_block_scores(torch, args, timer, failures: list[str]) -> list[dict]:
         pages = batch * -(-ctx // bs)
         kmin = torch.randn(pages, HKV, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         kmax = kmin + torch.rand_like(kmin)
+        value_bytes = 2
+        if args.summary_dtype == "fp8":
+            from sglang_ext.selection.reference import round_summaries
+
+            kmin, kmax = (x.to(torch.float8_e4m3fn) for x in round_summaries(
+                kmin.float(), kmax.float(), "fp8_e4m3"))
+            value_bytes = 1
         # each request's pages contiguous, as after a fresh prefill; columns past ctx unused
         req_to_token = torch.zeros(batch, max_ctx, dtype=torch.int32, device="cuda")
         req_to_token[:, :ctx] = torch.arange(batch * ctx, dtype=torch.int32,
@@ -198,7 +210,7 @@ def run_block_scores(torch, args, timer, failures: list[str]) -> list[dict]:
         rows_idx = torch.arange(batch, dtype=torch.int64, device="cuda")
         seq_lens = torch.full((batch,), ctx, dtype=torch.int64, device="cuda")
         q = torch.randn(batch, HQ, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-        floor_ms = pages * HKV * HEAD_DIM * 2 * 2 / (HBM_TBPS * 1e12) * 1e3
+        floor_ms = pages * HKV * HEAD_DIM * 2 * value_bytes / (HBM_TBPS * 1e12) * 1e3
 
         def build(var):
             return lambda: bsc.quest_block_scores_batched(
@@ -292,11 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "sparse_attention_h200.json")
+    path = os.path.join(args.out, args.results_name + ".json")
     meta = dict(commit=git_commit(), gpu=gpu_name(),
                 config=dict(q_heads=32, kv_heads=8, head_dim=128, dtype="bf16",
                             selected=args.selected, block_size=args.block_size,
                             pool_tokens=args.pool_tokens, iters=args.iters,
+                            summary_dtype=args.summary_dtype,
                             context=args.context,
                             max_context=max(args.max_context or args.context, args.context),
                             timing="CUDA graph, L2 flushed",
