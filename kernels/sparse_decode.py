@@ -367,7 +367,9 @@ class SparseDecodeWorkspace:
     ``scatter_selected`` (two_level with the fused kernel): the token scoring also writes each
     candidate token's slot and position, and the fused top-k scatters its winners' straight
     into the slot list (no chain of loads per slot); False assembles them as above. The slot
-    lists are identical.
+    lists are identical; so is the time, as measured (operator_h200_bs32_fp8_scatter.json:
+    within 1 us per layer at 5 and 20 requests x 32k / 128k; 0.91 ms per step either way in
+    the 32k server profile).
     """
 
     def __init__(

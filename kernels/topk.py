@@ -101,6 +101,7 @@ def _topk_row(
         n_lim = N
     NUM_BINS: tl.constexpr = 1 << RADIX_BITS
     NUM_PASSES: tl.constexpr = (32 + RADIX_BITS - 1) // RADIX_BITS
+
     if RESIDENT:
         x_res = tl.load(src + offs0, mask=offs0 < N, other=float("-inf"))
         valid_res = x_res > float("-inf")  # NaN is never selected either
@@ -166,8 +167,7 @@ def _topk_row(
             take = take & write
         pos = (before >> 16) + tl.minimum(eq_before, remaining)
         if payload is not None:
-            # loaded here, not beside the scores: held through the select, they cost a CTA
-            # per SM at 8 warps (164 registers a thread against 128)
+            # read for the winners only, once the select is done (nothing held through it)
             tl.store(dst + pos, tl.load(payload + offs0, mask=take, other=-1), mask=take)
         else:
             tl.store(dst + pos, offs0, mask=take)
