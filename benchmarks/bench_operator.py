@@ -84,6 +84,9 @@ def parse_args(argv=None):
                         "bf16 / fp32)")
     p.add_argument("--label-dtype", default="auto", choices=["auto", "fp8_e4m3"],
                    help="the label cache's storage (--sparse-label-dtype)")
+    p.add_argument("--key-scale", type=float, default=1.0,
+                   help="scale of the random keys (SGLang's dummy weights give keys of ~1e-3, "
+                        "which fp8 labels round mostly to 0: tied token scores)")
     p.add_argument("--scatter-selected", action=argparse.BooleanOptionalAction, default=True,
                    help="the fused top-k scatters the winners' slots that the token scoring "
                         "left (default: on; off: it assembles them from the winners)")
@@ -722,6 +725,8 @@ def run_benchmark(args, device: str = "cuda") -> dict:
     v_buffer = torch.empty_like(k_buffer)
     k_buffer.normal_(generator=gen)
     v_buffer.normal_(generator=gen)
+    if args.key_scale != 1.0:
+        k_buffer.mul_(args.key_scale)
     summary_names = [args.summary_dtype]
     if args.compare_summary_dtype == "other":
         summary_names.append("fp32" if args.summary_dtype == "bf16" else "bf16")
@@ -906,6 +911,7 @@ def run_benchmark(args, device: str = "cuda") -> dict:
             "compare_summary_dtype": summary_names[1:],
             "label_dtype": args.label_dtype,
             "scatter_selected": args.scatter_selected,
+            "key_scale": args.key_scale,
             "topk_radix_bits": args.topk_radix_bits,
             "fuse_assemble": args.fuse_assemble,
             "assemble_tile": args.assemble_tile,
