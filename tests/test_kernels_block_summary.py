@@ -94,19 +94,30 @@ def test_matches_reference_call_by_call(page_size, summary_dtype):
     hkv, d, num_pages = 2, 16, 40
     kmin = random_values(gen, num_pages, hkv, d, device=DEVICE)
     kmin, kmax = kmin.to(summary_dtype), (kmin + 1).to(summary_dtype)
-    kmin_ref, kmax_ref = kmin.clone(), kmax.clone()
-    calls = _sglang_like_calls(gen, page_size, num_pages)
+    calls = _calls_match_reference(gen, kmin, kmax, page_size, DEVICE)
     assert any(loc.numel() > page_size for loc in calls)  # multi-page chunks were written
-    for loc in calls:
-        keys = random_values(gen, loc.numel(), hkv, d, dtype=torch.bfloat16, device=DEVICE)
-        loc = loc.to(DEVICE)
-        update_block_summaries(kmin, kmax, keys, loc, page_size)
-        update_block_summaries_ref(kmin_ref, kmax_ref, keys, loc, page_size)
-        assert _same_bits(kmin, kmin_ref) and _same_bits(kmax, kmax_ref)
 
 
 def _same_bits(a, b) -> bool:
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _calls_match_reference(gen, kmin, kmax, page_size, device, **calls_kw):
+    """Replays SGLang-like calls (``_sglang_like_calls`` over the summaries' pages) on
+    ``kmin``/``kmax`` and on copies through the torch reference: bit for bit equal after every
+    call. Returns the calls."""
+    kmin_ref, kmax_ref = kmin.clone(), kmax.clone()
+    hkv, d = kmin.shape[1:]
+    calls = _sglang_like_calls(gen, page_size, kmin.shape[0], **calls_kw)
+    for loc in calls:
+        keys = random_values(gen, loc.numel(), hkv, d, dtype=torch.bfloat16, device=device)
+        loc = loc.to(device)
+        update_block_summaries(kmin, kmax, keys, loc, page_size)
+        update_block_summaries_ref(kmin_ref, kmax_ref, keys, loc, page_size)
+        if kmin.is_cuda:
+            torch.cuda.synchronize()
+        assert _same_bits(kmin, kmin_ref) and _same_bits(kmax, kmax_ref)
+    return calls
 
 
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 40.0, 1000.0])
@@ -221,14 +232,7 @@ def test_gpu_fp8_summaries_real_shapes():
     _check_against_block_minmax(pb)
     kmin = random_values(gen, 64, 8, 128, device="cuda").to(FP8)
     kmax = (kmin.float() + 1).to(FP8)
-    kmin_ref, kmax_ref = kmin.clone(), kmax.clone()
-    for loc in _sglang_like_calls(gen, 32, 64, num_reqs=8, num_calls=12):
-        keys = random_values(gen, loc.numel(), 8, 128, dtype=torch.bfloat16, device="cuda")
-        loc = loc.cuda()
-        update_block_summaries(kmin, kmax, keys, loc, 32)
-        update_block_summaries_ref(kmin_ref, kmax_ref, keys, loc, 32)
-        torch.cuda.synchronize()
-        assert _same_bits(kmin, kmin_ref) and _same_bits(kmax, kmax_ref)
+    _calls_match_reference(gen, kmin, kmax, 32, "cuda", num_reqs=8, num_calls=12)
 
 
 @gpu
@@ -239,12 +243,4 @@ def test_gpu_sglang_like_calls_real_shapes():
     reference after every call."""
     gen = case_generator("gpu-calls")
     kmin = random_values(gen, 64, 8, 128, dtype=torch.bfloat16, device="cuda")
-    kmax = kmin + 1
-    kmin_ref, kmax_ref = kmin.clone(), kmax.clone()
-    for loc in _sglang_like_calls(gen, 16, 64, num_reqs=8, num_calls=20):
-        keys = random_values(gen, loc.numel(), 8, 128, dtype=torch.bfloat16, device="cuda")
-        loc = loc.cuda()
-        update_block_summaries(kmin, kmax, keys, loc, 16)
-        update_block_summaries_ref(kmin_ref, kmax_ref, keys, loc, 16)
-        torch.cuda.synchronize()
-        assert torch.equal(kmin, kmin_ref) and torch.equal(kmax, kmax_ref)
+    _calls_match_reference(gen, kmin, kmin + 1, 16, "cuda", num_reqs=8, num_calls=20)
