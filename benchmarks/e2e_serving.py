@@ -46,6 +46,11 @@ from sglang_ext.config import (  # noqa: E402
 CONFIGS: dict[str, list[str]] = {
     "flashinfer": ["--attention-backend", "flashinfer"],
     "triton": ["--attention-backend", "triton"],
+    # SGLang's Triton decode kernel as the full-attention baseline, with FlashInfer's prefill
+    # (SGLang's hybrid backend): the Triton extend takes ~40 s per 128k prompt, which would eat
+    # the time box without changing the decode being compared
+    "triton_decode": ["--prefill-attention-backend", "flashinfer",
+                      "--decode-attention-backend", "triton"],
     "sglang_ext": ["--attention-backend", "sglang_ext", "--sparse-budget", "2048",
                    "--sparse-block-size", "16"],
     # with the CPU KV tier (AsyncTLS schedule); host size from $SGLANG_EXT_TIER_HOST_GB, GPU-homed
