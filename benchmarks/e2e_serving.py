@@ -548,11 +548,12 @@ def bench_load(args: argparse.Namespace, log_text: str, input_len: int) -> tuple
 
 
 def start_decode_profile(args: argparse.Namespace, log_path: str, running: int,
-                         profiles: dict[int, dict[str, Any]], input_len: int
-                         ) -> tuple[threading.Thread, threading.Event]:
-    """Beside a benchmark: once ``running`` requests decode, ``--profile-steps`` decode steps
-    under SGLang's profiler, summarized into ``profiles[input_len]`` (or why not). Set the
-    returned event when the benchmark is over (a wait for a full batch then gives up)."""
+                         profiles: dict[int, dict[str, Any]], input_len: int,
+                         log_offset: int = 0) -> tuple[threading.Thread, threading.Event]:
+    """Beside a benchmark: once ``running`` requests decode (in the server log past
+    ``log_offset``, where this benchmark's part begins), ``--profile-steps`` decode steps under
+    SGLang's profiler, summarized into ``profiles[input_len]`` (or why not). Set the returned
+    event when the benchmark is over (a wait for a full batch then gives up)."""
     from benchmarks.profile_decode import profile_running_server
 
     done = threading.Event()
@@ -560,7 +561,8 @@ def start_decode_profile(args: argparse.Namespace, log_path: str, running: int,
     def run() -> None:
         try:
             profiles[input_len] = profile_running_server(
-                args.port, log_path, running, args.profile_steps, timeout=1800, cancel=done)
+                args.port, log_path, running, args.profile_steps, timeout=1800, cancel=done,
+                log_offset=log_offset)
         except (RuntimeError, TimeoutError, ValueError, FileNotFoundError,
                 requests.RequestException) as e:
             profiles[input_len] = {"error": str(e)[:500]}
@@ -697,7 +699,8 @@ def main() -> int:
                     start = 0 if i == 0 else os.path.getsize(log_path)
                     with open(log_path, errors="replace") as f:
                         load[n] = prompts, concurrency = bench_load(args, f.read(), n)
-                    profiler = start_decode_profile(args, log_path, concurrency, profiles, n) \
+                    profiler = start_decode_profile(args, log_path, concurrency, profiles, n,
+                                                    start) \
                         if prompts and args.profile_steps else None
                     results[n] = bench(args.port, args.tokenizer, n, args.output_len,
                                        prompts, concurrency, bench_paths[n],

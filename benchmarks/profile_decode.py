@@ -174,12 +174,15 @@ def full_batch_reached(log_text: str, num_prompts: int, stable: int = 3) -> Opti
 
 
 def wait_all_decoding(log_path: str, num_prompts: int, timeout: float,
-                      cancel: Optional[threading.Event] = None) -> int:
+                      cancel: Optional[threading.Event] = None, log_offset: int = 0) -> int:
     """Until the server's log shows its full batch decoding (:func:`full_batch_reached`; its
-    size is returned), or ``cancel`` is set (the requests are gone)."""
+    size is returned), or ``cancel`` is set (the requests are gone). Only the log past
+    ``log_offset`` counts: a server reused for another benchmark has already logged the last
+    one's full batch, which would start the profiler during this one's prefill."""
     deadline = time.time() + timeout
     while time.time() < deadline and not (cancel is not None and cancel.is_set()):
         with open(log_path, errors="replace") as f:
+            f.seek(log_offset)
             running = full_batch_reached(f.read(), num_prompts)
         if running is not None:
             return running
@@ -188,14 +191,14 @@ def wait_all_decoding(log_path: str, num_prompts: int, timeout: float,
 
 
 def profile_running_server(port: int, log_path: str, num_running: int, steps: int,
-                           timeout: float, cancel: Optional[threading.Event] = None
-                           ) -> dict[str, Any]:
+                           timeout: float, cancel: Optional[threading.Event] = None,
+                           log_offset: int = 0) -> dict[str, Any]:
     """Once the server's decode log shows ``num_running`` requests decoding and none queued,
     record ``steps`` decode steps with SGLang's profiler and summarize them. The trace goes to a
     temporary folder (it is not a result: a device call brings back only a few files).
     ``cancel``: give up waiting (the requests are done). ``running`` in the result: how many
-    requests decoded in the recorded steps."""
-    running = wait_all_decoding(log_path, num_running, timeout, cancel)
+    requests decoded in the recorded steps. ``log_offset``: where this benchmark's log starts."""
+    running = wait_all_decoding(log_path, num_running, timeout, cancel, log_offset)
     with tempfile.TemporaryDirectory(prefix="sglang_ext_trace_") as trace_dir:
         requests.post(f"http://127.0.0.1:{port}/start_profile", timeout=600, json={
             "output_dir": trace_dir, "num_steps": steps, "activities": ["GPU"],

@@ -238,6 +238,7 @@ def test_several_input_lengths_reuse_one_server_per_config(tmp_path, monkeypatch
     import sys
 
     import benchmarks.e2e_serving as E
+    import benchmarks.profile_decode as P
 
     launched, benched = [], []
 
@@ -256,9 +257,12 @@ def test_several_input_lengths_reuse_one_server_per_config(tmp_path, monkeypatch
 
     moved: dict[str, int] = {}  # cumulative transferred blocks per server, like the tier's
 
+    sizes_at_bench: list[int] = []  # where each benchmark's part of its server's log starts
+
     def bench(port, tokenizer, n, output_len, prompts, concurrency, out_file, warmup):
         benched.append((n, warmup))
         log = tmp_path / f"server_{launched_names[-1]}.log"
+        sizes_at_bench.append(log.stat().st_size)
         # the locality server moves a quarter of the plain tier's blocks
         moved[log.name] = moved.get(log.name, 0) + (n // 4 if "locality" in log.name else n)
         runs = len(benched) - 2 * (len(launched) - 1)  # this server's bench runs so far
@@ -273,12 +277,25 @@ def test_several_input_lengths_reuse_one_server_per_config(tmp_path, monkeypatch
     monkeypatch.setattr(E, "wait_healthy", lambda *a: None)
     monkeypatch.setattr(E, "stop", lambda proc: None)
     monkeypatch.setattr(E, "plot", lambda rows, path, title: open(path, "w").close())
+    monkeypatch.setattr(E, "plot_profiles", lambda rows, path, title: None)
+    profile_offsets: list[int] = []
+
+    def profile(port, log_path, running, steps, timeout, cancel=None, log_offset=0):
+        profile_offsets.append(log_offset)
+        return {"step_ms": 1.0, "categories": {"gemm": 1.0}, "running": running}
+
+    monkeypatch.setattr(P, "profile_running_server", profile)
     monkeypatch.setattr(sys, "argv", [
         "e2e_serving.py", "--out", str(tmp_path), "--configs", "sglang_ext_tier",
         "sglang_ext_tier_locality", "--input-len", "1000", "4000", "--num-prompts", "2",
         "--concurrency", "2", "--warmup-requests", "0", "--label-channels", "0",
-        "--model", str(tmp_path), "--results-name", "locality_test"])
+        "--profile-steps", "2", "--model", str(tmp_path), "--results-name", "locality_test"])
     assert E.main() == 0
+    # each length's profile waits for a full batch in its own part of the reused server's log
+    # (the earlier length's full batch would start it during this one's prefill)
+    # (the first length's part starts at the log's start, so that start-up lines count)
+    assert sorted(profile_offsets) == sorted([0, sizes_at_bench[1], 0, sizes_at_bench[3]])
+    assert sizes_at_bench[1] > sizes_at_bench[0]
     assert launched == [("sglang_ext", int(4000 * 1.25) + 256 + 64)] * 2
     assert benched == [(1000, 0), (4000, 0)] * 2
     rows = json.loads((tmp_path / "locality_test.json").read_text())["rows"]
@@ -355,7 +372,7 @@ def test_auto_concurrency_drives_bench_serving_and_the_profile_lands_in_the_row(
         return {"completed": prompts, "output_throughput": 10.0, "median_tpot_ms": 5.0,
                 "median_itl_ms": 5.0, "median_ttft_ms": 100.0}
 
-    def profile(port, log_path, running, steps, timeout, cancel=None):
+    def profile(port, log_path, running, steps, timeout, cancel=None, log_offset=0):
         profiled.append((os.path.basename(log_path), running, steps))
         return {"step_ms": 12.5, "idle_ms": 1.0, "categories": {"gemm": 4.0}, "running": running}
 

@@ -94,3 +94,17 @@ def test_the_profile_starts_at_the_full_batch_or_at_the_pools_steady_one() -> No
     # the tail of the run: fewer than the most seen
     assert full_batch_reached(filling + _decode(17, 1) + _decode(9, 0) * 3, 18) is None
     assert full_batch_reached("", 4) is None
+
+
+def test_a_reused_servers_earlier_full_batch_does_not_start_the_next_profile(tmp_path) -> None:
+    from benchmarks.profile_decode import wait_all_decoding
+
+    log = tmp_path / "server.log"
+    earlier = _decode(21, 0) * 3  # the last benchmark's full batch on the same server
+    log.write_text(earlier + _prefill(3))  # this one is still prefilling
+    offset = len(earlier.encode())
+    assert wait_all_decoding(str(log), 11, timeout=5) == 21  # what the old wait did
+    with pytest.raises(TimeoutError):
+        wait_all_decoding(str(log), 11, timeout=1.5, log_offset=offset)
+    log.write_text(earlier + _prefill(3) + _prefill(10) + _decode(11, 0))
+    assert wait_all_decoding(str(log), 11, timeout=5, log_offset=offset) == 11
