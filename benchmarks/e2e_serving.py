@@ -518,12 +518,38 @@ def finish_rows(rows: list[dict[str, Any]], results_path: str, meta: dict[str, A
     locality_vs_two_level(all_rows)
     write_results(results_path, all_rows, meta)
     if plot_path:
-        plot(all_rows, plot_path, f"{meta['gpu']}, dummy weights, bench_serving random-ids")
-        profiled = [r for r in all_rows if r.get("decode_profile", {}).get("categories")]
-        if profiled:
-            plot_profiles(profiled, plot_path[:-4] + "_profile.png",
-                          f"{meta['gpu']}: one decode step at each row's full batch, profiled "
-                          f"in the server during its benchmark")
+        plot_results(all_rows, plot_path, meta["gpu"])
+
+
+def plot_results(rows: list[dict[str, Any]], plot_path: str, gpu: str) -> None:
+    """The results plot and, where rows have decode profiles, the profile plot beside it."""
+    plot(rows, plot_path, f"{gpu}, dummy weights, bench_serving random-ids")
+    profiled = [r for r in rows if r.get("decode_profile", {}).get("categories")]
+    if profiled:
+        plot_profiles(profiled, plot_path[:-4] + "_profile.png",
+                      f"{gpu}: one decode step at each row's full batch, profiled "
+                      f"in the server during its benchmark")
+
+
+def merge_calls(call_paths: list[str], results_path: str, plot_path: str) -> int:
+    """Merge the rows of other runs' results files (a device call's ``$OUT``) into
+    ``results_path`` (rows of the same backend, length, TP, model and commit replaced) and
+    redraw its plots. Each call's speedups were computed in that call, against its own
+    flashinfer row; a row without its own ``dummy_weights`` gets its call's. The results
+    file's top-level fields (its note) stay."""
+    rows: list[dict[str, Any]] = []
+    for path in call_paths:
+        with open(path) as f:
+            call = json.load(f)
+        rows += [{"dummy_weights": call.get("dummy_weights", "sglang"), **r} for r in call["rows"]]
+    with open(results_path) as f:
+        meta = {k: v for k, v in json.load(f).items() if k != "rows"}
+    all_rows = merge_rows(results_path, rows)
+    locality_vs_two_level(all_rows)
+    write_results(results_path, all_rows, meta)
+    plot_results(all_rows, plot_path, meta.get("gpu", "GPU"))
+    print(f"{results_path}: {len(rows)} rows merged, {len(all_rows)} in all", flush=True)
+    return 0
 
 
 def plot_profiles(rows: list[dict[str, Any]], path: str, title: str) -> None:
@@ -608,6 +634,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "short; give --gpu). A config with a server log but no bench file "
                         "gets a row of the log's numbers alone (bench_cut: true); one with "
                         "neither is left out")
+    p.add_argument("--merge", nargs="+", default=None, metavar="CALL_JSON",
+                   help="launch nothing: merge these results files (other runs' --out, e.g. "
+                        "device calls') into --out's results file and redraw its plots")
     p.add_argument("--gpu", default=None, help="GPU name for the results (default: this "
                    "machine's; needed with --collect on a machine without it)")
     p.add_argument("--results-name", default="e2e_h200",
@@ -639,6 +668,10 @@ def main() -> int:
         p.error("--collect needs --gpu (the name of the GPU the run was on)")
     if args.collect and len(args.input_len) > 1:
         p.error("--collect reads one run's files: give one --input-len")
+
+    if args.merge:
+        stem = os.path.join(args.out, args.results_name)
+        return merge_calls(args.merge, stem + ".json", stem + ".png")
 
     os.makedirs(args.out, exist_ok=True)
     label_config = synthetic_label_config(args.model, args.label_channels, args.out) \

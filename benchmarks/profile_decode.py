@@ -181,9 +181,9 @@ def wait_all_decoding(log_path: str, num_prompts: int, timeout: float,
     one's full batch, which would start the profiler during this one's prefill."""
     deadline = time.time() + timeout
     while time.time() < deadline and not (cancel is not None and cancel.is_set()):
-        with open(log_path, errors="replace") as f:
+        with open(log_path, "rb") as f:  # bytes: a text file cannot seek to a size
             f.seek(log_offset)
-            running = full_batch_reached(f.read(), num_prompts)
+            running = full_batch_reached(f.read().decode(errors="replace"), num_prompts)
         if running is not None:
             return running
         time.sleep(1)

@@ -75,6 +75,36 @@ def test_merge_rows_keeps_other_runs_and_replaces_the_same_one(tmp_path: Path) -
                   ("old", "sglang_ext", 4.0), ("new", "flashinfer", 5.0)]
 
 
+def test_merge_puts_device_calls_rows_into_the_results_file(tmp_path: Path, monkeypatch) -> None:
+    """--merge: a device call's results file (its own rows, speedups against its own
+    flashinfer row) joins the repo's; the repo file's note stays, plots are redrawn."""
+    import sys
+
+    import benchmarks.e2e_serving as E
+
+    repo = tmp_path / "e2e_h200.json"
+    row = {"input_len": 32768, "tp": 1, "model": "m8", "output_tok_s": 1.0}
+    repo.write_text(json.dumps({"commit": "a", "gpu": "H200", "note": "kept", "rows": [
+        {**row, "backend": "flashinfer", "commit": "a"}]}))
+    call = tmp_path / "call" / "e2e_h200.json"
+    call.parent.mkdir()
+    call.write_text(json.dumps({"commit": "b", "dummy_weights": "scaled", "rows": [
+        {**row, "backend": "flashinfer", "commit": "b"},
+        {**row, "backend": "sglang_ext_fi", "commit": "b", "output_tok_s": 3.0,
+         "dummy_weights": "sglang"}]}))
+    drawn: list[str] = []
+    monkeypatch.setattr(E, "plot", lambda rows, path, title: drawn.append(os.path.basename(path)))
+    monkeypatch.setattr(sys, "argv", ["e2e_serving.py", "--out", str(tmp_path), "--merge",
+                                      str(call)])
+    assert E.main() == 0
+    merged = json.loads(repo.read_text())
+    assert merged["note"] == "kept" and drawn == ["e2e_h200.png"]
+    assert [(r["commit"], r["backend"], r.get("dummy_weights")) for r in merged["rows"]] == [
+        ("a", "flashinfer", None), ("b", "flashinfer", "scaled"), ("b", "sglang_ext_fi", "sglang")]
+    assert E.main() == 0  # merging the same call again replaces its rows
+    assert len(json.loads(repo.read_text())["rows"]) == 3
+
+
 def test_series_names_tell_block_sizes_apart_and_the_plot_shows_the_newest_run(
         tmp_path: Path) -> None:
     ours = {"backend": "sglang_ext_fi", "model": "m8", "tp": 1,
@@ -292,8 +322,8 @@ def test_several_input_lengths_reuse_one_server_per_config(tmp_path, monkeypatch
         "--profile-steps", "2", "--model", str(tmp_path), "--results-name", "locality_test"])
     assert E.main() == 0
     # each length's profile waits for a full batch in its own part of the reused server's log
-    # (the earlier length's full batch would start it during this one's prefill)
-    # (the first length's part starts at the log's start, so that start-up lines count)
+    # (the earlier length's full batch would start it during this one's prefill); the first
+    # length's part starts at the log's start, so that start-up lines count
     assert sorted(profile_offsets) == sorted([0, sizes_at_bench[1], 0, sizes_at_bench[3]])
     assert sizes_at_bench[1] > sizes_at_bench[0]
     assert launched == [("sglang_ext", int(4000 * 1.25) + 256 + 64)] * 2
