@@ -80,6 +80,11 @@ CONFIGS["sglang_ext_fi_fp8"] = CONFIGS["sglang_ext_fi"] + ["--sparse-label-dtype
 # and fp8 page summaries (min down, max up): half the block scoring's reads, more KV tokens again
 CONFIGS["sglang_ext_fi_fp8s"] = CONFIGS["sglang_ext_fi_fp8"] + ["--sparse-summary-dtype",
                                                                "fp8_e4m3"]
+# An fp8 KV cache (SGLang's --kv-cache-dtype): half the bytes per token, so twice the requests
+# that one GPU holds at a length; full attention over the same cache as its own baseline
+FP8_KV = ["--kv-cache-dtype", "fp8_e4m3"]
+CONFIGS["flashinfer_fp8kv"] = CONFIGS["flashinfer"] + FP8_KV
+CONFIGS["sglang_ext_fi_fp8s_fp8kv"] = CONFIGS["sglang_ext_fi_fp8s"] + FP8_KV
 # AsyncTLS's block filter one step ahead on a side stream, beside the GEMMs
 CONFIGS["sglang_ext_fi_async"] = CONFIGS["sglang_ext_fi"] + ["--sparse-block-filter", "async"]
 # the tier with FlashInfer's prefill (SGLang's triton extend takes ~40 s per 128k prompt)
@@ -500,11 +505,20 @@ def ours_flags(name: str, block_size: int, label_config: str | None) -> list[str
     return flags
 
 
+def kv_cache_dtype(config: str) -> str:
+    """The ``--kv-cache-dtype`` of a row's server flags ("auto" when not given)."""
+    found = re.search(r"--kv-cache-dtype[ =](\S+)", config or "")
+    return found.group(1) if found else "auto"
+
+
 def finish_rows(rows: list[dict[str, Any]], results_path: str, meta: dict[str, Any],
                 append: bool, plot_path: Optional[str] = None) -> None:
     """The fields that compare rows (capacity and speedups against the same input length's
     flashinfer row, locality against two_level), then the results file and, with
-    ``plot_path``, the plot."""
+    ``plot_path``, the plot. A row on another KV cache dtype (``--kv-cache-dtype``) is also
+    compared with the full-attention FlashInfer row of its own dtype where the run has one
+    (``decode_speedup_vs_flashinfer_same_kv``): the part of its speedup that is not the cache's
+    smaller bytes."""
     for n in sorted({r["input_len"] for r in rows}):
         same = [r for r in rows if r["input_len"] == n]
         capacity_vs_limit(same)
@@ -514,6 +528,15 @@ def finish_rows(rows: list[dict[str, Any]], results_path: str, meta: dict[str, A
                 if base and base["output_tok_s"] and r["output_tok_s"] is not None else None
             r["decode_speedup_vs_flashinfer"] = r["decode_tok_s"] / base["decode_tok_s"] \
                 if base and base.get("decode_tok_s") and r.get("decode_tok_s") else None
+            dtype = kv_cache_dtype(r.get("config", ""))
+            if dtype == "auto":
+                continue
+            r["kv_cache_dtype"] = dtype
+            twin = next((o for o in same if o["backend"].startswith("flashinfer")
+                         and kv_cache_dtype(o.get("config", "")) == dtype), None)
+            r["decode_speedup_vs_flashinfer_same_kv"] = \
+                r["decode_tok_s"] / twin["decode_tok_s"] \
+                if twin and twin.get("decode_tok_s") and r.get("decode_tok_s") else None
     all_rows = merge_rows(results_path, rows) if append else rows
     locality_vs_two_level(all_rows)
     write_results(results_path, all_rows, meta)

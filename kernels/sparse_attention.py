@@ -105,8 +105,10 @@ def _attend_tile(
     PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
     EARLY_V: tl.constexpr,
+    KV_UPCAST: tl.constexpr,
 ):
     """One tile of BLOCK_N selected slots into the running (max, sum, acc) of a head tile."""
+    q_type = q_rows.dtype.element_ty
     valid = slot >= 0
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
@@ -117,6 +119,8 @@ def _attend_tile(
     v_mask = valid[:, None] & dvmask[None, :]
     if D_CHUNKS == 1:
         k = tl.load(k_rows + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        if KV_UPCAST:
+            k = k.to(q_type)
         if EARLY_V:
             # V's gather issued beside K's: twice the reads in flight per tile (a decode over
             # scattered slots is bound by how many random reads each SM keeps in flight)
@@ -134,6 +138,8 @@ def _attend_tile(
             dcmask = dc < HEAD_DIM
             qc = tl.load(q_rows + dc[None, :], mask=hmask[:, None] & dcmask[None, :], other=0.0)
             kc = tl.load(k_rows + dc[None, :], mask=valid[:, None] & dcmask[None, :], other=0.0)
+            if KV_UPCAST:
+                kc = kc.to(q_type)
             if DOT_F32:
                 qc = qc.to(tl.float32)
                 kc = kc.to(tl.float32)
@@ -147,6 +153,8 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if not EARLY_V:
         v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    if KV_UPCAST:
+        v = v.to(q_type)
     p = p.to(v.dtype)  # 16-bit probabilities for the tensor-core PV product
     if DOT_F32:
         p = p.to(tl.float32)
@@ -192,6 +200,7 @@ def _sparse_attn_split_kernel(
     DOT_F32: tl.constexpr,
     EARLY_V: tl.constexpr,
     SKIP_PAD_TILES: tl.constexpr,
+    KV_UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) // NUM_HEAD_TILES
@@ -232,12 +241,13 @@ def _sparse_attn_split_kernel(
                     q, q_rows, K_BUFFER, V_BUFFER, slot, g, stride_kn, stride_kh, stride_vn,
                     stride_vh, hmask, m_i, l_i, acc, qk_scale_log2, HEAD_TILE, HEAD_DIM,
                     HEAD_DIM_V, BLOCK_D, D_CHUNKS, BLOCK_DV, BLOCK_N, PRECISION, DOT_F32,
-                    EARLY_V)
+                    EARLY_V, KV_UPCAST)
         else:
             m_i, l_i, acc = _attend_tile(
                 q, q_rows, K_BUFFER, V_BUFFER, slot, g, stride_kn, stride_kh, stride_vn,
                 stride_vh, hmask, m_i, l_i, acc, qk_scale_log2, HEAD_TILE, HEAD_DIM,
-                HEAD_DIM_V, BLOCK_D, D_CHUNKS, BLOCK_DV, BLOCK_N, PRECISION, DOT_F32, EARLY_V)
+                HEAD_DIM_V, BLOCK_D, D_CHUNKS, BLOCK_DV, BLOCK_N, PRECISION, DOT_F32, EARLY_V,
+                KV_UPCAST)
 
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -269,6 +279,7 @@ def _sparse_attn_merge_kernel(
     HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     LN2: tl.constexpr,
+    v_scale,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -286,7 +297,7 @@ def _sparse_attn_merge_kernel(
         mask=smask[:, None] & dvmask[None, :],
         other=0.0,
     )
-    out = tl.sum(o * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    out = tl.sum(o * w[:, None], axis=0) * v_scale / tl.where(total == 0.0, 1.0, total)
     empty = total == 0.0
     lse = tl.where(empty, float("-inf"), (m_safe + tl.log2(tl.where(empty, 1.0, total))) * LN2)
     tl.store(OUT + b * stride_ob + h * stride_oh + dv, out.to(OUT.dtype.element_ty), mask=dvmask)
@@ -356,6 +367,8 @@ def sparse_attention_batched(
     block_n: int = _BLOCK_N,
     num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = DEFAULT_NUM_STAGES,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     """Attention of each query head over its kv head's selected slots.
 
@@ -369,6 +382,9 @@ def sparse_attention_batched(
     softmax; ``skip_pad_tiles`` (default :data:`DEFAULT_SKIP_PAD_TILES`): branch over tiles of
     padding only instead of running them masked; ``block_n`` (slots per tile, a power of two
     >= 16), ``num_warps``, ``num_stages``: stage 1's launch. None of them changes the result.
+    An 8-bit float KV cache (``--kv-cache-dtype fp8_e4m3``/``fp8_e5m2``) is read as stored times
+    ``k_scale``/``v_scale`` (SGLang's per-layer KV scales, 1.0 without a checkpoint's), each
+    tile upcast to q's dtype in registers: the dots keep q's precision.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, head_dim_v = k_buffer.shape[1], v_buffer.shape[2]
@@ -379,7 +395,12 @@ def sparse_attention_batched(
     num_sel = selected_slots.shape[2]
     group = num_q_heads // num_kv_heads
     out_dtype = q.dtype
-    if q.dtype != k_buffer.dtype:  # tl.dot wants equal operand types; the output keeps q's
+    # 8-bit float KV is upcast tile by tile to q's dtype; otherwise tl.dot wants equal operand
+    # types (q takes the KV dtype) and the output keeps q's
+    kv_upcast = k_buffer.element_size() == 1 and q.element_size() > 1
+    if kv_upcast and v_buffer.dtype != k_buffer.dtype:
+        raise ValueError(f"k_buffer {k_buffer.dtype} and v_buffer {v_buffer.dtype} differ")
+    if q.dtype != k_buffer.dtype and not kv_upcast:
         q = q.to(k_buffer.dtype)
     if q.stride(2) != 1:
         q = q.contiguous()
@@ -429,7 +450,7 @@ def sparse_attention_batched(
         selected_slots,
         partial_o,
         partial_lse,
-        float(sm_scale) * _LOG2E,
+        float(sm_scale) * float(k_scale) * _LOG2E,
         q.stride(0),
         q.stride(1),
         k_buffer.stride(0),
@@ -458,6 +479,7 @@ def sparse_attention_batched(
         DOT_F32=dot_f32,
         EARLY_V=DEFAULT_EARLY_V if early_v is None else early_v,
         SKIP_PAD_TILES=DEFAULT_SKIP_PAD_TILES if skip_pad_tiles is None else skip_pad_tiles,
+        KV_UPCAST=kv_upcast,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -479,16 +501,19 @@ def sparse_attention_batched(
         HEAD_DIM_V=head_dim_v,
         BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)),
         LN2=_LN2,
+        v_scale=float(v_scale),
         num_warps=4,
     )
     return out, lse
 
 
 def sparse_attention_batched_ref(
-    q: Tensor, k_buffer: Tensor, v_buffer: Tensor, selected_slots: Tensor, sm_scale: float
+    q: Tensor, k_buffer: Tensor, v_buffer: Tensor, selected_slots: Tensor, sm_scale: float,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     """Plain-torch reference: per request, the reference ``sparse_attention_with_lse`` over
-    the distinct selected slots (order and padding do not matter)."""
+    the distinct selected slots (order and padding do not matter), keys and values read as
+    stored times ``k_scale``/``v_scale``."""
     batch, num_q_heads = q.shape[:2]
     out = torch.empty(batch, num_q_heads, v_buffer.shape[2], dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=q.device)
@@ -501,6 +526,7 @@ def sparse_attention_batched_ref(
             continue
         keys, values = k_buffer[uniq], v_buffer[uniq]  # [U, Hkv, D]
         mask = (slots[:, :, None] == uniq[None, None, :]).any(dim=1)  # [Hkv, U]
-        out[b], lse[b] = sparse_attention_with_lse(q[b], keys, values, mask, sm_scale)
+        o, lse[b] = sparse_attention_with_lse(q[b], keys, values, mask, sm_scale * k_scale)
+        out[b] = o if v_scale == 1.0 else (o.float() * v_scale).to(out.dtype)
     return out, lse
 

@@ -735,6 +735,8 @@ def sparse_decode_batched(
     locality: LocalityLayerState | None = None,
     candidates: Tensor | None = None,
     out: Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """One sparse decode step for a batch: ``out [B, Hq, Dv]`` in q's dtype (and the float32
     LSE ``[B, Hq]`` with ``return_lse``).
@@ -751,7 +753,9 @@ def sparse_decode_batched(
     sizes, ``locality``: the locality constraint's state, ``candidates``: the block filter's
     result given; see :func:`select_slots_batched`. ``out`` (``[B, Hq, Dv]``, q's dtype): the
     output's destination instead of the workspace's buffer (which the next call overwrites), so
-    a caller that keeps every layer's output needs no copy.
+    a caller that keeps every layer's output needs no copy. ``k_scale``/``v_scale``: an 8-bit
+    KV cache's scales (:func:`sparse_attention_batched`; the selection ranks stored keys, which a
+    positive scale does not reorder).
     """
     batch, num_q_heads, _ = q.shape
     if workspace is None:
@@ -771,6 +775,7 @@ def sparse_decode_batched(
         num_splits=workspace._splits_for(batch),
         out=workspace.out[:batch] if out is None else out, lse=workspace.lse[:batch],
         partial_o=workspace.partial_o[:batch], partial_lse=workspace.partial_lse[:batch],
+        k_scale=k_scale, v_scale=v_scale,
     )
     return (out, lse) if return_lse else out
 
@@ -787,12 +792,14 @@ def sparse_decode_batched_ref(
     channels: Tensor | None = None,
     block_queries: Tensor | None = None,
     block_lens: Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """Per-request oracle: ``select_token_mask`` + ``sparse_attention_with_lse`` on the keys
     gathered in position order. Returns ``(out [B, Hq, Dv], lse [B, Hq], masks)`` with
     ``masks[b]`` the bool ``[Hkv, L_b]`` selection. ``block_queries`` ``[B, Hq, D]`` /
     ``block_lens`` ``[B]``: the blocks were chosen by these queries at these lengths (the
-    asynchronous block filter, ``candidates``)."""
+    asynchronous block filter, ``candidates``). ``k_scale``/``v_scale``: the KV's scales."""
     batch, num_q_heads = q.shape[:2]
     out = torch.empty(batch, num_q_heads, v_buffer.shape[2], dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=q.device)
@@ -806,6 +813,7 @@ def sparse_decode_batched_ref(
         else:
             mask = select_token_mask(q[b], keys, params, channels, block_query=block_queries[b],
                                      block_length=int(block_lens[b]))
-        out[b], lse[b] = sparse_attention_with_lse(q[b], keys, values, mask, sm_scale)
+        o, lse[b] = sparse_attention_with_lse(q[b], keys, values, mask, sm_scale * k_scale)
+        out[b] = o if v_scale == 1.0 else (o.float() * v_scale).to(out.dtype)
         masks.append(mask)
     return out, lse, masks

@@ -11,6 +11,7 @@ from pathlib import Path
 from benchmarks.e2e_serving import (
     CONFIGS,
     compare_greedy,
+    finish_rows,
     locality_vs_two_level,
     merge_rows,
     newest_by_series,
@@ -165,6 +166,31 @@ def test_locality_rows_carry_bytes_per_step_and_their_ratio() -> None:
     locality_vs_two_level(rows)
     assert rows[1]["bytes_vs_two_level"] == 0.25 and "bytes_vs_two_level" not in rows[0]
     assert tier_traffic(CONFIGS["sglang_ext"], None) == {}
+
+
+def test_an_fp8_kv_row_is_also_compared_with_full_attention_on_the_same_cache(
+        tmp_path: Path) -> None:
+    """The bar's ratio stays against the default-cache flashinfer row; a row on an fp8 cache
+    also gets the ratio against flashinfer on fp8, and rows on the default cache get none."""
+    def row(backend: str, decode: float) -> dict:
+        return {"backend": backend, "input_len": 131072, "config": " ".join(CONFIGS[backend]),
+                "output_tok_s": decode / 10, "decode_tok_s": decode,
+                "server_max_running": 5, "max_total_num_tokens": 10}
+    rows = [row("flashinfer", 180.0), row("flashinfer_fp8kv", 360.0),
+            row("sglang_ext_fi_fp8s_fp8kv", 1080.0), row("sglang_ext_fi_fp8s", 540.0)]
+    finish_rows(rows, str(tmp_path / "e2e.json"), {"gpu": "test"}, append=False)
+    by = {r["backend"]: r for r in rows}
+    ours = by["sglang_ext_fi_fp8s_fp8kv"]
+    assert ours["kv_cache_dtype"] == "fp8_e4m3"
+    assert ours["decode_speedup_vs_flashinfer"] == 6.0
+    assert ours["decode_speedup_vs_flashinfer_same_kv"] == 3.0
+    assert by["flashinfer_fp8kv"]["decode_speedup_vs_flashinfer_same_kv"] == 1.0
+    assert "decode_speedup_vs_flashinfer_same_kv" not in by["sglang_ext_fi_fp8s"]
+    rows.pop(1)  # no fp8 full-attention row in this run: no same-cache ratio
+    for r in rows:
+        r.pop("decode_speedup_vs_flashinfer_same_kv", None)
+    finish_rows(rows, str(tmp_path / "e2e.json"), {"gpu": "test"}, append=False)
+    assert rows[1]["decode_speedup_vs_flashinfer_same_kv"] is None
 
 
 def test_decode_throughput_and_running_requests_come_from_the_decode_log_lines() -> None:

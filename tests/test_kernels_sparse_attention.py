@@ -71,6 +71,44 @@ def test_matches_reference(hq, hkv, dtype, num_splits):
     _check(pb, q, sel, head_dim ** -0.5, num_splits, dtype)
 
 
+def _check_fp8_kv(pb, q, sel, kv_dtype, scales, num_splits=None):
+    """The attention over 8-bit copies of ``pb``'s KV, read times ``scales`` (k, v), against the
+    reference over the same stored values; and the error a q rounded to fp8 would add."""
+    k_scale, v_scale = scales
+    sm_scale = q.shape[-1] ** -0.5
+    k8, v8 = pb.k_buffer.to(kv_dtype), pb.v_buffer.to(kv_dtype)
+    got_o, got_l = sparse_attention_batched(q, k8, v8, sel, sm_scale, num_splits=num_splits,
+                                            k_scale=k_scale, v_scale=v_scale)
+    ref_o, ref_l = sparse_attention_batched_ref(q, k8, v8, sel, sm_scale, k_scale, v_scale)
+    assert got_o.dtype == q.dtype
+    torch.testing.assert_close(got_o.float(), ref_o.float(), rtol=2e-2, atol=2e-2 * v_scale)
+    fin = ref_l.isfinite()
+    assert torch.equal(fin, got_l.isfinite())
+    torch.testing.assert_close(got_l[fin], ref_l[fin], rtol=1e-3, atol=1e-3)
+    # the same stored values with q rounded to fp8 (what the kernel did before, to give tl.dot
+    # equal operand types): the error the upcast avoids
+    q8_o, _ = sparse_attention_batched_ref(q.to(kv_dtype).to(q.dtype), k8, v8, sel, sm_scale,
+                                           k_scale, v_scale)
+    got_err = (got_o.float() - ref_o.float()).abs().max()
+    assert got_err * 4 < (q8_o.float() - ref_o.float()).abs().max()
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.5, 3.0)], ids=["unscaled", "scaled"])
+def test_fp8_kv_cache_reads_keys_and_values_times_their_scales(kv_dtype, scales):
+    """--kv-cache-dtype fp8: 8-bit K/V tiles are upcast to q's bf16 in registers and read as
+    stored x k_scale / v_scale (SGLang's per-layer scales). The reference sees the same stored
+    values, so what is left is bf16 rounding."""
+    gen = case_generator("attn-fp8", kv_dtype, scales)
+    hq, hkv, d, bs = 6, 2, 64, 4
+    pb = make_paged_batch(gen, [5, 40, 77], hkv, d, bs, dtype=torch.bfloat16, device=DEVICE,
+                          summary_chunks=0)
+    q = random_values(gen, 3, hq, d, dtype=torch.bfloat16, device=DEVICE) * 2
+    sel = _random_selection(gen, pb, 48).to(DEVICE)
+    _check_fp8_kv(pb, q, sel, kv_dtype, scales, num_splits=2)
+
+
 @pytest.mark.parametrize("early_v", [False, True], ids=["v_after", "v_early"])
 @pytest.mark.parametrize("skip_pad_tiles", [False, True], ids=["masked", "branch"])
 def test_launch_variants_match_reference(early_v, skip_pad_tiles):
@@ -180,3 +218,17 @@ def test_gpu_launch_variants(early_v, skip_pad_tiles):
     sel = _random_selection(gen, pb, 2048).cuda()
     _check(pb, q, sel, 128 ** -0.5, None, torch.bfloat16, early_v=early_v,
            skip_pad_tiles=skip_pad_tiles)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
+def test_gpu_fp8_kv_real_shapes(kv_dtype):
+    """Qwen3-8B's heads over an fp8 cache on the GPU (tensor-core dots of the upcast tiles)."""
+    gen = case_generator("gpu-attn-fp8", kv_dtype)
+    pb = make_paged_batch(gen, [32768, 2000, 1], 8, 128, 16, dtype=torch.bfloat16,
+                          device="cuda", summary_chunks=0)
+    q = random_values(gen, 3, 32, 128, dtype=torch.bfloat16, device="cuda") * 2
+    sel = _random_selection(gen, pb, 2048).cuda()
+    _check_fp8_kv(pb, q, sel, kv_dtype, (0.5, 3.0))

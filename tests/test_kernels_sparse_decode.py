@@ -53,12 +53,14 @@ def _workspace(pb, q, params):
 
 
 def _run_and_check(pb, q, params, channels, workspace=None, dtype=torch.bfloat16, max_diff=0,
-                   block_q=None):
+                   block_q=None, kv_scales=(1.0, 1.0)):
     """Pipeline vs oracle on one batch. ``max_diff``: positions allowed to differ per
     (request, kv head) (0 = exact sets; only the torch.topk path under near-ties needs more).
     ``block_q``: the asynchronous block filter: the blocks are chosen by this query one step
-    earlier (at ``seq_lens - 1``) and passed as ``candidates``."""
+    earlier (at ``seq_lens - 1``) and passed as ``candidates``. ``kv_scales``: an 8-bit KV
+    cache's (k_scale, v_scale)."""
     head_dim = q.shape[2]
+    k_scale, v_scale = kv_scales
     if workspace is None:
         workspace = _workspace(pb, q, params)
     candidates = block_lens = None
@@ -75,10 +77,12 @@ def _run_and_check(pb, q, params, channels, workspace=None, dtype=torch.bfloat16
                                       return_positions=True, candidates=candidates)
     slots, pos = slots.clone(), pos.clone()
     out, lse = sparse_decode_batched(*args, pb.v_buffer, *tail, sm_scale, channels=channels,
-                                     workspace=workspace, return_lse=True, candidates=candidates)
+                                     workspace=workspace, return_lse=True, candidates=candidates,
+                                     k_scale=k_scale, v_scale=v_scale)
     ref_out, ref_lse, masks = sparse_decode_batched_ref(
         q, pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, params,
-        sm_scale, channels, block_queries=block_q, block_lens=block_lens,
+        sm_scale, channels, block_queries=block_q, block_lens=block_lens, k_scale=k_scale,
+        v_scale=v_scale,
     )
     assert slots.shape == pos.shape == (q.shape[0], pb.k_buffer.shape[1], params.budget)
     assert (pos >= -1).all() and (slots >= -1).all(), "unwritten entries"
@@ -320,6 +324,23 @@ def _fp8_summaries_select_what_the_reference_selects(method, device, lens, hq, h
 def test_fp8_summaries_select_what_the_reference_selects(method):
     _fp8_summaries_select_what_the_reference_selects(method, DEVICE, [20, 90, 151, 260], 6, 2,
                                                      32, 4, 32, 4, 4, 4)
+
+
+@pytest.mark.parametrize("method", ["quest", "ds", "two_level"])
+def test_fp8_kv_cache_matches_reference(method):
+    """--kv-cache-dtype fp8_e4m3 (float32 summaries, label scores from the stored fp8 keys):
+    the pipeline selects the oracle's sets and attends like it, keys and values read times the
+    layer's scales."""
+    hq, hkv, d, bs = 6, 2, 32, 4
+    params = SelectionParams(method, 32, bs, 4, 4, 4)
+    gen = case_generator("fp8-kv", method)
+    pb = make_paged_batch(gen, [20, 90, 151], hkv, d, bs, dtype=torch.float8_e4m3fn,
+                          device=DEVICE, summary_dtype=torch.float32)
+    assert pb.k_buffer.dtype == torch.float8_e4m3fn and pb.kmin.dtype == torch.float32
+    q = random_values(gen, 3, hq, d, dtype=torch.bfloat16, device=DEVICE)
+    channels = _channels(gen, hkv, d, max(1, d // 8), DEVICE)
+    out, _, _ = _run_and_check(pb, q, params, channels, kv_scales=(0.5, 2.0))
+    assert out.dtype == torch.bfloat16
 
 
 def test_torch_topk_impl():

@@ -65,6 +65,12 @@ LOCALITY_READ_EVERY = 64  # decode steps between two reads of the CUDA locality 
 GUARD_REPORT_EVERY = 128  # decode steps between two reads of the CUDA guard's counters
 
 
+
+def _scale_or_one(scale: Optional[float]) -> float:
+    """A layer's KV scale (``RadixAttention.k_scale_float``), 1.0 where the checkpoint has
+    none."""
+    return 1.0 if scale is None else float(scale)
+
 @dataclass
 class PageSummaries:
     """Per-layer running key min/max of every KV page (the Quest block summaries).
@@ -724,8 +730,11 @@ class SparseDecodeBackend(AttentionBackend):
         **kwargs,
     ) -> torch.Tensor:
         if save_kv_cache and k is not None and v is not None:
+            # with the layer's KV scales, as SGLang's FlashInfer prefill writes them (an fp8 KV
+            # cache of a checkpoint that has scales stores k / k_scale)
             self.token_to_kv_pool.set_kv_buffer(
-                layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v
+                layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v,
+                layer.k_scale, layer.v_scale,
             )
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         if self.impl == "triton":
@@ -788,6 +797,8 @@ class SparseDecodeBackend(AttentionBackend):
                         self.block_filter.candidates(layer_index, forward_batch.req_pool_indices)),
             # a tensor of this layer's own: the workspace's output buffer is shared by all layers
             out=q.new_empty((q.shape[0], layer.tp_q_head_num, layer.v_head_dim)),
+            k_scale=_scale_or_one(layer.k_scale_float),
+            v_scale=_scale_or_one(layer.v_scale_float),
             **tier_args,
         )
         if self.block_filter is not None:
@@ -856,6 +867,11 @@ class SparseDecodeBackend(AttentionBackend):
             keys = self.token_to_kv_pool.get_key_buffer(layer.layer_id).index_select(0, rows)
         else:
             keys = k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim)
+            kv_dtype = self.token_to_kv_pool.dtype
+            if kv_dtype.itemsize == 1 and keys.dtype != kv_dtype:
+                # an fp8 KV cache: summarise (and label) the keys as stored, not before rounding,
+                # so the Quest bound holds for what the attention reads
+                keys = keys.to(kv_dtype).to(keys.dtype)
         self.summaries.update(self._layer_index(layer), keys, forward_batch.out_cache_loc)
         if self.locality is not None:
             from sglang_ext.kernels.locality import update_eviction_page_scores

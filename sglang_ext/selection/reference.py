@@ -177,9 +177,16 @@ def _group_queries(q: Tensor, num_kv_heads: int) -> Tensor:
     return q.float().reshape(num_kv_heads, num_q_heads // num_kv_heads, q.shape[1])
 
 
+def widen_8bit_keys(keys: Tensor) -> Tensor:
+    """Keys of an fp8 KV cache as bf16 (exact: every fp8 e4m3/e5m2 value is a bf16 value),
+    others as they are: torch has no min/max or gather over 8-bit floats on the CPU."""
+    return keys.to(torch.bfloat16) if keys.element_size() == 1 else keys
+
+
 def block_minmax(keys: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
     """Per-block elementwise min and max of the keys: float32 ``[NB, Hkv, D]`` each."""
     length, num_kv_heads, dim = keys.shape
+    keys = widen_8bit_keys(keys)
     num_full = length // block_size
     full = keys[: num_full * block_size].reshape(num_full, block_size, num_kv_heads, dim)
     tail = keys[num_full * block_size :]  # the partial last block, possibly empty
@@ -218,7 +225,7 @@ def label_token_scores(q: Tensor, keys: Tensor, channels: Tensor | None,
     fp8, so that this reference scores what the batched decode scores.
     """
     qg = _group_queries(q, keys.shape[1])  # [Hkv, G, D]
-    k = keys.transpose(0, 1)  # [Hkv, L, D]
+    k = widen_8bit_keys(keys).transpose(0, 1)  # [Hkv, L, D]
     if channels is not None:
         qg = qg.gather(2, channels[:, None, :].expand(-1, qg.shape[1], -1))
         k = k.gather(2, channels[:, None, :].expand(-1, k.shape[1], -1))
@@ -651,7 +658,7 @@ class BatchedSparseDecode:
         group = num_q_heads // num_kv
         neg_inf = float("-inf")
         qg = q.float().reshape(batch, num_kv, group, dim).transpose(0, 1).reshape(num_kv, batch * group, dim)
-        ku = k_buf.index_select(0, self.uniq)  # [U, Hkv, D], distinct slots only
+        ku = widen_8bit_keys(k_buf.index_select(0, self.uniq))  # [U, Hkv, D], distinct slots
         selected = torch.zeros(batch, num_kv, self.max_len, dtype=torch.bool, device=q.device)
 
         tok_scores = None
