@@ -16,8 +16,9 @@ _CONFIG_ATTR = "_sglang_ext_config"
 TIER_DEFAULT_MAX_RUNNING = 32  # --max-running-requests with the CPU tier unless given
 _active: sparse_config.SparseConfig | None = None  # this process's config
 _active_impl: str | None = None  # the decode implementation this server runs, once known
-# --kv-cache-dtype values whose MLA rows the CPU tier moves (16-bit rows of the KV dtype)
-MLA_TIER_KV_DTYPES = ("auto", "bf16", "bfloat16")
+# --kv-cache-dtype values whose rows the CPU tier moves (16-bit rows of the KV dtype; 8-bit ones
+# are stored as bytes)
+TIER_KV_DTYPES = ("auto", "bf16", "bfloat16")
 _active_mla = False  # whether this server's model has an MLA (latent) KV pool
 
 
@@ -34,6 +35,7 @@ def _around_from_cli_args(original: Callable, cls: type, args: argparse.Namespac
     attach_config(server_args, cfg)
     if uses_sparse_backend(server_args):
         check_mla_model(server_args, cfg)
+        check_tier_kv_dtype(server_args, cfg)
         _check_label_config(server_args, cfg)
         _check_head_policy(server_args, cfg)
         _check_eviction_head(server_args, cfg)
@@ -110,11 +112,20 @@ def check_mla_model(server_args: Any, cfg: sparse_config.SparseConfig) -> None:
         raise SystemExit(f"sglang_ext: {unsupported[0][1]} does not support MLA models (latent "
                          "KV pool) yet")
     kv_dtype = getattr(server_args, "kv_cache_dtype", "auto")
-    if cfg.tier != "off" and kv_dtype not in MLA_TIER_KV_DTYPES:
+    if cfg.tier != "off" and kv_dtype not in TIER_KV_DTYPES:
         # 8-bit latent rows are stored as bytes (and FP4 ones by another pool factory, which
         # the tier does not hook): the host copy holds rows of the KV dtype.
         raise SystemExit(f"sglang_ext: --sparse-tier does not support MLA models with "
                          f"--kv-cache-dtype {kv_dtype} yet (use auto or bf16)")
+
+
+def check_tier_kv_dtype(server_args: Any, cfg: sparse_config.SparseConfig) -> None:
+    """The tier's host copy and scratch hold rows of the KV dtype: an 8-bit or FP4 cache (stored
+    as bytes) stops start-up in one line instead of the pool's construction in the scheduler."""
+    kv_dtype = getattr(server_args, "kv_cache_dtype", "auto")
+    if cfg.tier != "off" and kv_dtype not in TIER_KV_DTYPES:
+        raise SystemExit(f"sglang_ext: --sparse-tier does not support --kv-cache-dtype "
+                         f"{kv_dtype} yet (the host copy holds 16-bit rows: use auto or bf16)")
 
 
 def _check_label_config(server_args: Any, cfg: sparse_config.SparseConfig) -> None:

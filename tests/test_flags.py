@@ -138,6 +138,24 @@ def test_the_tier_refuses_quest_whose_kept_blocks_miss_a_dense_contexts_middle()
     assert "must be multiples of --sparse-block-size" in str(e.value)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2", "fp4_e2m1"])
+def test_the_tier_refuses_an_8_bit_kv_cache_in_one_line(kv_cache_dtype):
+    """An fp8 cache decodes without the tier; with it, start-up stops in one line (the pool's
+    construction in the scheduler would otherwise fail with a traceback)."""
+    from types import SimpleNamespace
+
+    from sglang_ext.patches.server_args import check_tier_kv_dtype
+
+    args = SimpleNamespace(kv_cache_dtype=kv_cache_dtype)
+    check_tier_kv_dtype(args, build_config())
+    check_tier_kv_dtype(SimpleNamespace(kv_cache_dtype="auto"), build_config(tier="async"))
+    with pytest.raises(SystemExit) as e:
+        check_tier_kv_dtype(args, build_config(tier="async"))
+    message = str(e.value)
+    assert message.startswith(f"sglang_ext: --sparse-tier does not support --kv-cache-dtype "
+                              f"{kv_cache_dtype}") and "\n" not in message
+
+
 def _run_server(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
         launch_command(args, free_port()), capture_output=True, text=True, timeout=timeout,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from server_utils import Server
-from test_server_e2e import DENSE_OVERRIDE, SPARSE_ARGS, _prompts, passkey_prompt
+from test_server_e2e import SPARSE_ARGS, _prompts, passkey_hits
 
 pytestmark = pytest.mark.server
 
@@ -46,19 +46,7 @@ def test_sparse_decode_of_an_fp8_cache_finds_the_pass_key(ours_fp8: Server):
     """Sparse decode (budget 256) over an fp8 cache of ~3,000 tokens: selection and attention
     read the 8-bit keys (a crash here before: torch has no gather over fp8 on the CPU) and
     find the pass key about as often as dense attention of the same cache."""
-    from transformers import AutoTokenizer
-
-    from server_utils import MODEL_DIR
-
-    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
-    hits = {"dense": 0, "sparse": 0}
-    for seed in range(5):
-        prompt, key = passkey_prompt(tokenizer, seed)
-        dense = ours_fp8.generate(prompt, max_new_tokens=12, custom_params=DENSE_OVERRIDE)
-        sparse = ours_fp8.generate(prompt, max_new_tokens=12)
-        assert sparse["meta_info"]["cached_tokens"] > 2500  # prefill reused, decode differs
-        hits["dense"] += key in dense["text"]
-        hits["sparse"] += key in sparse["text"]
+    hits = passkey_hits(ours_fp8, range(5))
     assert hits["dense"] >= 4, hits
     assert hits["sparse"] >= 4, hits
     assert "Traceback" not in ours_fp8.log_text()
