@@ -554,6 +554,26 @@ def plot_results(rows: list[dict[str, Any]], plot_path: str, gpu: str) -> None:
                       f"in the server during its benchmark")
 
 
+def same_kv_from_other_calls(rows: list[dict[str, Any]]) -> None:
+    """A row on another KV cache dtype whose call had no full-attention row on that dtype (both
+    servers at 128k do not fit one call's time box beside the default-cache pair) takes its
+    same-cache ratio from the newest such flashinfer row of the same length, model and TP in the
+    file, and says so (``same_kv_baseline_commit``, ``same_kv_from_another_call``)."""
+    for r in rows:
+        if r.get("kv_cache_dtype") is None or r.get("decode_speedup_vs_flashinfer_same_kv") \
+                or r["backend"].startswith("flashinfer") or not r.get("decode_tok_s"):
+            continue
+        twins = [o for o in rows if o["backend"].startswith("flashinfer")
+                 and kv_cache_dtype(o.get("config", "")) == r["kv_cache_dtype"]
+                 and o["input_len"] == r["input_len"] and o.get("model") == r.get("model")
+                 and o.get("tp", 1) == r.get("tp", 1) and o.get("decode_tok_s")]
+        if twins:
+            twin = twins[-1]
+            r["decode_speedup_vs_flashinfer_same_kv"] = r["decode_tok_s"] / twin["decode_tok_s"]
+            r["same_kv_baseline_commit"] = twin.get("commit")
+            r["same_kv_from_another_call"] = True
+
+
 def merge_calls(call_paths: list[str], results_path: str, plot_path: str) -> int:
     """Merge the rows of other runs' results files (a device call's ``$OUT``) into
     ``results_path`` (rows of the same backend, length, TP, model and commit replaced) and
@@ -569,6 +589,7 @@ def merge_calls(call_paths: list[str], results_path: str, plot_path: str) -> int
         meta = {k: v for k, v in json.load(f).items() if k != "rows"}
     all_rows = merge_rows(results_path, rows)
     locality_vs_two_level(all_rows)
+    same_kv_from_other_calls(all_rows)
     write_results(results_path, all_rows, meta)
     plot_results(all_rows, plot_path, meta.get("gpu", "GPU"))
     print(f"{results_path}: {len(rows)} rows merged, {len(all_rows)} in all", flush=True)

@@ -106,6 +106,39 @@ def test_merge_puts_device_calls_rows_into_the_results_file(tmp_path: Path, monk
     assert len(json.loads(repo.read_text())["rows"]) == 3
 
 
+def test_merge_gives_an_fp8_kv_row_its_same_cache_ratio_from_another_call(
+        tmp_path: Path, monkeypatch) -> None:
+    """Ours on fp8 beside flashinfer on the default cache in one call, flashinfer on fp8 in
+    another: after --merge the fp8 row carries the ratio against the other call's fp8 row and
+    says where it came from; its bar ratio (same call) is untouched."""
+    import sys
+
+    import benchmarks.e2e_serving as E
+
+    def row(backend: str, decode: float, **extra) -> dict:
+        return {"backend": backend, "input_len": 131072, "tp": 1, "model": "m8", "commit": "c",
+                "config": " ".join(CONFIGS[backend]), "output_tok_s": 1.0,
+                "decode_tok_s": decode, **extra}
+    repo = tmp_path / "e2e_h200.json"
+    repo.write_text(json.dumps({"commit": "a", "gpu": "H200", "rows": []}))
+    pair, alone = tmp_path / "pair" / "e2e_h200.json", tmp_path / "alone" / "e2e_h200.json"
+    for path, rows in ((pair, [row("flashinfer", 180.0), row(
+            "sglang_ext_fi_fp8s_fp8kv", 990.0, kv_cache_dtype="fp8_e4m3",
+            decode_speedup_vs_flashinfer=5.5, decode_speedup_vs_flashinfer_same_kv=None)]),
+                       (alone, [row("flashinfer_fp8kv", 220.0, kv_cache_dtype="fp8_e4m3")])):
+        path.parent.mkdir()
+        path.write_text(json.dumps({"commit": "c", "rows": rows}))
+    monkeypatch.setattr(E, "plot", lambda rows, path, title: None)
+    monkeypatch.setattr(sys, "argv", ["e2e_serving.py", "--out", str(tmp_path), "--merge",
+                                      str(pair), str(alone)])
+    assert E.main() == 0
+    ours = next(r for r in json.loads(repo.read_text())["rows"]
+                if r["backend"] == "sglang_ext_fi_fp8s_fp8kv")
+    assert ours["decode_speedup_vs_flashinfer_same_kv"] == 4.5
+    assert ours["same_kv_from_another_call"] and ours["same_kv_baseline_commit"] == "c"
+    assert ours["decode_speedup_vs_flashinfer"] == 5.5
+
+
 def test_series_names_tell_block_sizes_apart_and_the_plot_shows_the_newest_run(
         tmp_path: Path) -> None:
     ours = {"backend": "sglang_ext_fi", "model": "m8", "tp": 1,

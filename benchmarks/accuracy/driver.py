@@ -79,7 +79,8 @@ SUITE_SERVER_ARGS = ["--chunked-prefill-size", "8192", "--max-running-requests",
 def sparse_server_args(block_size: int, dense_decode: str = "float32",
                        head_policy: Optional[str] = None,
                        eviction_head: Optional[str] = None,
-                       label_dtype: str = "auto", summary_dtype: str = "auto") -> list[str]:
+                       label_dtype: str = "auto", summary_dtype: str = "auto",
+                       kv_cache_dtype: str = "auto") -> list[str]:
     """Our backend; method and budget come with each request, the block size too (so the flag
     only sets the default). ``dense_decode``: how the dense requests decode (float32 by default:
     the same attention as SGLang's bf16 SDPA call, ~8x faster per request on a CPU).
@@ -87,7 +88,8 @@ def sparse_server_args(block_size: int, dense_decode: str = "float32",
     ``eviction_head``: trained eviction heads (the ``locality_learned`` and
     ``locality_limited_learned`` methods' requests). ``label_dtype``: how the label channels
     are stored (``--sparse-label-dtype``; server-wide, so one run per dtype), ``summary_dtype``
-    the page summaries (``--sparse-summary-dtype``, likewise)."""
+    the page summaries (``--sparse-summary-dtype``, likewise), ``kv_cache_dtype`` SGLang's KV
+    cache (``--kv-cache-dtype``: every method, dense included, reads the same 8-bit cache)."""
     args = ["--attention-backend", "sglang_ext", "--sparse-block-size", str(block_size),
             "--sparse-dense-decode", dense_decode]
     if os.path.exists(LABELS):
@@ -96,6 +98,8 @@ def sparse_server_args(block_size: int, dense_decode: str = "float32",
         args += ["--sparse-label-dtype", label_dtype]
     if summary_dtype != "auto":
         args += ["--sparse-summary-dtype", summary_dtype]
+    if kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", kv_cache_dtype]
     if head_policy:
         args += ["--sparse-head-policy", head_policy]
     if eviction_head:
@@ -130,6 +134,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--summary-dtype", default="auto", choices=SUMMARY_DTYPE_NAMES,
                    help="the servers' --sparse-summary-dtype (fp8_e4m3: each block's key min "
                         "rounded down and max up to fp8, as the fp8 summaries store them)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+                   help="the servers' --kv-cache-dtype (fp8: keys and values stored in 8 bits, "
+                        "for the dense column as for the sparse ones)")
     p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="samples per (task, context)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help="tokens per block (4 for this CPU model; 16 is the GPU default)")
@@ -329,7 +336,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             server_args = sparse_server_args(args.block_size, args.dense_decode, args.head_policy,
                                              args.eviction_head, args.label_dtype,
-                                             args.summary_dtype)
+                                             args.summary_dtype, args.kv_cache_dtype)
             # One torch (OpenMP) thread per core and server, so servers do not preempt each other.
             os.environ["OMP_NUM_THREADS"] = str(threads_per_server)
             urls = [sv.url for sv in guard.start(server_args, "sglang_ext", args.servers)]
