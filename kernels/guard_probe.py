@@ -58,6 +58,7 @@ def _dense_lse_split_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
+    KV_UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -85,6 +86,8 @@ def _dense_lse_split_kernel(
             # [GROUP_PAD, N] in log2 units; the group's queries are the M dimension of the dot.
             if DOT_F32:
                 x = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            elif KV_UPCAST:  # an fp8 cache: the keys take q's 16 bits, not q the keys' 8
+                x = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
             else:
                 x = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION)
             x = x * qk_scale_log2
@@ -175,6 +178,7 @@ class GuardProbe:
             # it gets fp32 copies of the same values.
             PRECISION="ieee" if k_buffer.dtype == torch.float32 else "tf32",
             DOT_F32=bool(triton.knobs.runtime.interpret) and k_buffer.dtype != torch.float32,
+            KV_UPCAST=k_buffer.element_size() == 1 and q.element_size() > 1,
             num_warps=4,
         )
         _recall_kernel[(batch,)](

@@ -143,26 +143,33 @@ def test_batched_decode_with_per_request_budgets(method):
         torch.testing.assert_close(lse[sl], ref_lse, rtol=1e-4, atol=1e-3)
 
 
-def test_probe_kernel_matches_reference():
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_probe_kernel_matches_reference(kv):
+    """The probe's dense LSE against the reference's; on an fp8 cache (``--kv-cache-dtype
+    fp8_e4m3``) with the layer's k_scale folded into the scaling, as the backend passes it."""
     hq, hkv, d, bs = 6, 2, 32, 4
-    gen = case_generator("probe")
+    gen = case_generator("probe", kv)
     lens = [300, 40, 257]
-    pb = make_paged_batch(gen, lens, hkv, d, bs, dtype=torch.bfloat16, device=DEVICE)
+    fp8 = kv == "fp8"
+    pb = make_paged_batch(gen, lens, hkv, d, bs, dtype=torch.float8_e4m3fn if fp8 else
+                          torch.bfloat16, device=DEVICE,
+                          summary_dtype=torch.float32 if fp8 else None)
     q = random_values(gen, len(lens), hq, d, dtype=torch.bfloat16, device=DEVICE)
     params = SelectionParams("two_level", 48, bs, 8, 3, 5)
+    k_scale = 0.5 if fp8 else 1.0
     _, sparse_lse = sparse_decode_batched(q, pb.k_buffer, pb.v_buffer, pb.req_to_token,
                                           pb.req_pool_indices, pb.seq_lens, pb.kmin, pb.kmax,
-                                          params, d ** -0.5, return_lse=True)
+                                          params, d ** -0.5, return_lse=True, k_scale=k_scale)
     probe = GuardProbe(4, hq, hkv, d, min_len=48, max_context=pb.req_to_token.shape[1],
                        device=DEVICE, num_splits=4)
     for ctrl in ([1, 1], [1, 0], [0, 1]):
         ctrl = torch.tensor(ctrl, dtype=torch.int32, device=DEVICE)
         probe.recall_sum.fill_(0.25)  # accumulates on top of what is there
         probe.run(ctrl, q, pb.k_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens,
-                  sparse_lse, d ** -0.5)
+                  sparse_lse, d ** -0.5 * k_scale)
         expect = probe_recall_ref(ctrl.cpu(), q.cpu(), pb.k_buffer.cpu(), pb.req_to_token.cpu(),
                                   pb.req_pool_indices.cpu(), pb.seq_lens.cpu(), sparse_lse.cpu(),
-                                  d ** -0.5, 48) + 0.25
+                                  d ** -0.5 * k_scale, 48) + 0.25
         torch.testing.assert_close(probe.recall_sum[:3].cpu(), expect, rtol=2e-2, atol=2e-2)
         if int(ctrl[0]):
             assert (expect[[0, 2]] < 1.25).all() and expect[1] == 0.25  # short one: dense

@@ -66,6 +66,13 @@ GUARD_REPORT_EVERY = 128  # decode steps between two reads of the CUDA guard's c
 
 
 
+def _kv_write_scales(layer: Any) -> tuple[Any, ...]:
+    """The layer's (k_scale, v_scale) for ``set_kv_buffer`` where it has any (a checkpoint's
+    fp8 KV scales), else nothing: the pool's plain cast."""
+    k_scale, v_scale = getattr(layer, "k_scale", None), getattr(layer, "v_scale", None)
+    return () if k_scale is None and v_scale is None else (k_scale, v_scale)
+
+
 def _scale_or_one(scale: Optional[float]) -> float:
     """A layer's KV scale (``RadixAttention.k_scale_float``), 1.0 where the checkpoint has
     none."""
@@ -734,7 +741,7 @@ class SparseDecodeBackend(AttentionBackend):
             # cache of a checkpoint that has scales stores k / k_scale)
             self.token_to_kv_pool.set_kv_buffer(
                 layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v,
-                layer.k_scale, layer.v_scale,
+                *_kv_write_scales(layer),
             )
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         if self.impl == "triton":
@@ -797,8 +804,8 @@ class SparseDecodeBackend(AttentionBackend):
                         self.block_filter.candidates(layer_index, forward_batch.req_pool_indices)),
             # a tensor of this layer's own: the workspace's output buffer is shared by all layers
             out=q.new_empty((q.shape[0], layer.tp_q_head_num, layer.v_head_dim)),
-            k_scale=_scale_or_one(layer.k_scale_float),
-            v_scale=_scale_or_one(layer.v_scale_float),
+            k_scale=_scale_or_one(getattr(layer, "k_scale_float", None)),
+            v_scale=_scale_or_one(getattr(layer, "v_scale_float", None)),
             **tier_args,
         )
         if self.block_filter is not None:
@@ -809,9 +816,11 @@ class SparseDecodeBackend(AttentionBackend):
                 self.block_filter.finish_step()
         if guard:
             out, lse = out
+            # the dense LSE over the keys as the sparse one read them (times the KV scale)
             self._guard_probe.run(self._guard_ctrl, q, k_buffer, req_to_token,
                                   forward_batch.req_pool_indices, forward_batch.seq_lens, lse,
-                                  layer.scaling)
+                                  layer.scaling * _scale_or_one(
+                                      getattr(layer, "k_scale_float", None)))
             if layer.layer_id == self.token_to_kv_pool.end_layer - 1:
                 self._guard_finish_kernels(forward_batch)
         if tier is not None:
