@@ -876,7 +876,7 @@ class SparseDecodeBackend(AttentionBackend):
             keys = self.token_to_kv_pool.get_key_buffer(layer.layer_id).index_select(0, rows)
         else:
             keys = k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim)
-            kv_dtype = self.token_to_kv_pool.dtype
+            kv_dtype = self.token_to_kv_pool.get_key_buffer(layer.layer_id).dtype
             if kv_dtype.itemsize == 1 and keys.dtype != kv_dtype:
                 # an fp8 KV cache: summarise (and label) the keys as stored, not before rounding,
                 # so the Quest bound holds for what the attention reads
