@@ -532,11 +532,10 @@ def finish_rows(rows: list[dict[str, Any]], results_path: str, meta: dict[str, A
             if dtype == "auto":
                 continue
             r["kv_cache_dtype"] = dtype
-            twin = next((o for o in same if o["backend"].startswith("flashinfer")
-                         and kv_cache_dtype(o.get("config", "")) == dtype), None)
+            twin = same_kv_full_attention(r, same)
             r["decode_speedup_vs_flashinfer_same_kv"] = \
-                r["decode_tok_s"] / twin["decode_tok_s"] \
-                if twin and twin.get("decode_tok_s") and r.get("decode_tok_s") else None
+                r["decode_tok_s"] / twin["decode_tok_s"] if twin and r.get("decode_tok_s") \
+                else None
     all_rows = merge_rows(results_path, rows) if append else rows
     locality_vs_two_level(all_rows)
     write_results(results_path, all_rows, meta)
@@ -554,6 +553,18 @@ def plot_results(rows: list[dict[str, Any]], plot_path: str, gpu: str) -> None:
                       f"in the server during its benchmark")
 
 
+def same_kv_full_attention(row: dict[str, Any],
+                           rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The newest FlashInfer full-attention row among ``rows`` with ``row``'s KV cache dtype,
+    input length, model and TP size that measured a decode rate, or None."""
+    dtype = kv_cache_dtype(row.get("config", ""))
+    twins = [o for o in rows if o["backend"].startswith("flashinfer")
+             and kv_cache_dtype(o.get("config", "")) == dtype
+             and o["input_len"] == row["input_len"] and o.get("model") == row.get("model")
+             and o.get("tp", 1) == row.get("tp", 1) and o.get("decode_tok_s")]
+    return twins[-1] if twins else None
+
+
 def same_kv_from_other_calls(rows: list[dict[str, Any]]) -> None:
     """A row on another KV cache dtype whose call had no full-attention row on that dtype (both
     servers at 128k do not fit one call's time box beside the default-cache pair) takes its
@@ -563,12 +574,8 @@ def same_kv_from_other_calls(rows: list[dict[str, Any]]) -> None:
         if r.get("kv_cache_dtype") is None or r.get("decode_speedup_vs_flashinfer_same_kv") \
                 or r["backend"].startswith("flashinfer") or not r.get("decode_tok_s"):
             continue
-        twins = [o for o in rows if o["backend"].startswith("flashinfer")
-                 and kv_cache_dtype(o.get("config", "")) == r["kv_cache_dtype"]
-                 and o["input_len"] == r["input_len"] and o.get("model") == r.get("model")
-                 and o.get("tp", 1) == r.get("tp", 1) and o.get("decode_tok_s")]
-        if twins:
-            twin = twins[-1]
+        twin = same_kv_full_attention(r, rows)
+        if twin:
             r["decode_speedup_vs_flashinfer_same_kv"] = r["decode_tok_s"] / twin["decode_tok_s"]
             r["same_kv_baseline_commit"] = twin.get("commit")
             r["same_kv_from_another_call"] = True

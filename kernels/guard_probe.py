@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from sglang_ext.kernels.sparse_attention import upcasts_kv
+
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # what the kernels may read (Triton allows constexpr globals only)
 _BLOCK_N = 128  # context positions per tile
@@ -178,7 +180,7 @@ class GuardProbe:
             # it gets fp32 copies of the same values.
             PRECISION="ieee" if k_buffer.dtype == torch.float32 else "tf32",
             DOT_F32=bool(triton.knobs.runtime.interpret) and k_buffer.dtype != torch.float32,
-            KV_UPCAST=k_buffer.element_size() == 1 and q.element_size() > 1,
+            KV_UPCAST=upcasts_kv(q, k_buffer),
             num_warps=4,
         )
         _recall_kernel[(batch,)](

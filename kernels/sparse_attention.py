@@ -69,6 +69,12 @@ DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 2
 
 
+def upcasts_kv(q: Tensor, k_buffer: Tensor) -> bool:
+    """Whether a kernel reads an 8-bit float KV cache as q's 16-bit type tile by tile (the dots
+    keep q's precision) instead of rounding q to the cache's type."""
+    return k_buffer.element_size() == 1 and q.element_size() > 1
+
+
 def head_dim_tiling(head_dim: int) -> tuple[int, int]:
     """(tile width, number of tiles) covering a head dim: one power-of-two tile up to 256 dims,
     otherwise 64-wide chunks (576 = 9 x 64, no padding). Static: CUDA-graph safe."""
@@ -397,7 +403,7 @@ def sparse_attention_batched(
     out_dtype = q.dtype
     # 8-bit float KV is upcast tile by tile to q's dtype; otherwise tl.dot wants equal operand
     # types (q takes the KV dtype) and the output keeps q's
-    kv_upcast = k_buffer.element_size() == 1 and q.element_size() > 1
+    kv_upcast = upcasts_kv(q, k_buffer)
     if kv_upcast and v_buffer.dtype != k_buffer.dtype:
         raise ValueError(f"k_buffer {k_buffer.dtype} and v_buffer {v_buffer.dtype} differ")
     if q.dtype != k_buffer.dtype and not kv_upcast:
@@ -526,7 +532,7 @@ def sparse_attention_batched_ref(
             continue
         keys, values = k_buffer[uniq], v_buffer[uniq]  # [U, Hkv, D]
         mask = (slots[:, :, None] == uniq[None, None, :]).any(dim=1)  # [Hkv, U]
-        o, lse[b] = sparse_attention_with_lse(q[b], keys, values, mask, sm_scale * k_scale)
-        out[b] = o if v_scale == 1.0 else (o.float() * v_scale).to(out.dtype)
+        out[b], lse[b] = sparse_attention_with_lse(q[b], keys, values, mask, sm_scale * k_scale,
+                                                   v_scale)
     return out, lse
 

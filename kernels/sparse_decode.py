@@ -813,7 +813,7 @@ def sparse_decode_batched_ref(
         else:
             mask = select_token_mask(q[b], keys, params, channels, block_query=block_queries[b],
                                      block_length=int(block_lens[b]))
-        o, lse[b] = sparse_attention_with_lse(q[b], keys, values, mask, sm_scale * k_scale)
-        out[b] = o if v_scale == 1.0 else (o.float() * v_scale).to(out.dtype)
+        out[b], lse[b] = sparse_attention_with_lse(q[b], keys, values, mask, sm_scale * k_scale,
+                                                   v_scale)
         masks.append(mask)
     return out, lse, masks

@@ -73,10 +73,11 @@ def _kv_write_scales(layer: Any) -> tuple[Any, ...]:
     return () if k_scale is None and v_scale is None else (k_scale, v_scale)
 
 
-def _scale_or_one(scale: Optional[float]) -> float:
-    """A layer's KV scale (``RadixAttention.k_scale_float``), 1.0 where the checkpoint has
-    none."""
-    return 1.0 if scale is None else float(scale)
+def _kv_read_scales(layer: Any) -> tuple[float, float]:
+    """A layer's (k_scale, v_scale) as floats (``RadixAttention.k_scale_float``), 1.0 where the
+    checkpoint has none."""
+    scales = (getattr(layer, "k_scale_float", None), getattr(layer, "v_scale_float", None))
+    return tuple(1.0 if x is None else float(x) for x in scales)  # type: ignore[return-value]
 
 @dataclass
 class PageSummaries:
@@ -778,6 +779,7 @@ class SparseDecodeBackend(AttentionBackend):
             tier_args = dict(page_map=tier.page_map(layer_index), on_blocks=on_blocks,
                              attend_blocks=attend)
         guard = self.guard is not None
+        k_scale, v_scale = _kv_read_scales(layer)
         if guard and layer_index == 0:
             # This step's per-request top-k sizes, from the budgets the guard left last step.
             budgets = self._guard_budget[forward_batch.req_pool_indices.long()]
@@ -804,8 +806,8 @@ class SparseDecodeBackend(AttentionBackend):
                         self.block_filter.candidates(layer_index, forward_batch.req_pool_indices)),
             # a tensor of this layer's own: the workspace's output buffer is shared by all layers
             out=q.new_empty((q.shape[0], layer.tp_q_head_num, layer.v_head_dim)),
-            k_scale=_scale_or_one(getattr(layer, "k_scale_float", None)),
-            v_scale=_scale_or_one(getattr(layer, "v_scale_float", None)),
+            k_scale=k_scale,
+            v_scale=v_scale,
             **tier_args,
         )
         if self.block_filter is not None:
@@ -819,8 +821,7 @@ class SparseDecodeBackend(AttentionBackend):
             # the dense LSE over the keys as the sparse one read them (times the KV scale)
             self._guard_probe.run(self._guard_ctrl, q, k_buffer, req_to_token,
                                   forward_batch.req_pool_indices, forward_batch.seq_lens, lse,
-                                  layer.scaling * _scale_or_one(
-                                      getattr(layer, "k_scale_float", None)))
+                                  layer.scaling * k_scale)
             if layer.layer_id == self.token_to_kv_pool.end_layer - 1:
                 self._guard_finish_kernels(forward_batch)
         if tier is not None:

@@ -397,9 +397,11 @@ def _zero_if_neg_inf(lse: Tensor) -> Tensor:
 
 
 def sparse_attention_with_lse(
-    q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, sm_scale: float
+    q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, sm_scale: float,
+    v_scale: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
-    """Attention over each kv head's masked positions, plus the float32 LSE ``[Hq]``.
+    """Attention over each kv head's masked positions, plus the float32 LSE ``[Hq]``; values
+    read times ``v_scale`` (an fp8 KV cache's; its k_scale goes into ``sm_scale``).
 
     Returns ``[Hq, Dv]`` in q's dtype (fp32 math). A head with an empty mask gets output 0
     and LSE ``-inf``, the identity of :func:`merge_attention_states`.
@@ -419,6 +421,8 @@ def sparse_attention_with_lse(
     lse = torch.logsumexp(scores, dim=-1)  # [Hkv, G]
     probs = torch.exp(scores - _zero_if_neg_inf(lse)[..., None])
     out = torch.bmm(probs, v_sel)  # [Hkv, G, Dv]
+    if v_scale != 1.0:
+        out = out * v_scale
     return out.reshape(q.shape[0], -1).to(q.dtype), lse.reshape(-1)
 
 
