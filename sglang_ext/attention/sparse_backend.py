@@ -79,6 +79,24 @@ def _kv_read_scales(layer: Any) -> tuple[float, float]:
     scales = (getattr(layer, "k_scale_float", None), getattr(layer, "v_scale_float", None))
     return tuple(1.0 if x is None else float(x) for x in scales)  # type: ignore[return-value]
 
+def fused_write_pool(backend: Any) -> bool:
+    """Whether a backend's decode may write its KV with kernels/decode_write.py instead of
+    the pool's set_kv_buffer: the batched decode over SGLang's own token-major MHA pool (not
+    the CPU tier's, an MLA latent pool, the head-major or vectorised layouts, a quantised FP4
+    cache), without the locality constraint (which folds eviction scores of the same keys).
+    ``SGLANG_EXT_FUSED_KV_WRITE=0`` turns it off (the unfused path, e.g. to compare)."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    pool = backend.token_to_kv_pool
+    return (os.environ.get("SGLANG_EXT_FUSED_KV_WRITE", "1") != "0"
+            and backend.impl == "triton" and backend.tiered is None
+            and backend.kv_lora_rank is None and backend.locality is None
+            and type(pool) is MHATokenToKVPool
+            and getattr(pool, "kv_cache_layout", "nhd") == "nhd"
+            and not getattr(pool, "use_hnd", False)
+            and not getattr(pool, "is_quantized_kv_cache", False))
+
+
 @dataclass
 class PageSummaries:
     """Per-layer running key min/max of every KV page (the Quest block summaries).
@@ -171,6 +189,9 @@ class SparseDecodeBackend(AttentionBackend):
         self.streaming_heads = self._load_head_policy(model_runner, config)
         self.summaries: Optional[PageSummaries] = None
         self.labels: Optional[list[torch.Tensor]] = None  # per layer, see _allocate_label_cache
+        # whether decode writes KV, summaries and labels in one launch (fused_write_pool;
+        # decided at the first decode step, once the pool and the side buffers exist)
+        self._fused_write_pool: Optional[bool] = None
         self._workspaces: list[Any] = []
         # The CPU tier (--sparse-tier): KV addressed through its pool's homes and page maps.
         self.tiered: Optional[TieredPool] = (
@@ -737,26 +758,66 @@ class SparseDecodeBackend(AttentionBackend):
         save_kv_cache: bool = True,
         **kwargs,
     ) -> torch.Tensor:
+        fused = False
         if save_kv_cache and k is not None and v is not None:
-            # with the layer's KV scales, as SGLang's FlashInfer prefill writes them (an fp8 KV
-            # cache of a checkpoint that has scales stores k / k_scale)
-            self.token_to_kv_pool.set_kv_buffer(
-                layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v,
-                *_kv_write_scales(layer),
-            )
+            fused = self._write_decode_kv_fused(layer, k, v, forward_batch)
+            if not fused:
+                # with the layer's KV scales, as SGLang's FlashInfer prefill writes them (an fp8
+                # KV cache of a checkpoint that has scales stores k / k_scale)
+                self.token_to_kv_pool.set_kv_buffer(
+                    layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v,
+                    *_kv_write_scales(layer),
+                )
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         if self.impl == "triton":
-            return self._forward_decode_kernels(q, k, v, layer, forward_batch, save_kv_cache)
+            return self._forward_decode_kernels(q, k, v, layer, forward_batch,
+                                                save_kv_cache, summarised=fused)
         return self._forward_decode_reference(q, layer)
+
+    def _write_decode_kv_fused(self, layer: RadixAttention, k: torch.Tensor, v: torch.Tensor,
+                               forward_batch: ForwardBatch) -> bool:
+        """Write this decode step's KV, page summaries and labels of one layer in one launch
+        (kernels/decode_write.py) where it writes exactly what set_kv_buffer and
+        _update_summaries write: the batched decode on SGLang's plain token-major pool, no tier,
+        no locality state; the layer's scales known as floats. False: nothing was written."""
+        if self._fused_write_pool is None:
+            self._fused_write_pool = fused_write_pool(self)
+        if not self._fused_write_pool:
+            return False
+        from sglang_ext.kernels.decode_write import fused_write_supported, write_decode_kv
+
+        index = self._layer_index(layer)
+        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        labels = None if self.labels is None else self.labels[index]
+        kmin = None if self.summaries is None else self.summaries.kmin[index]
+        if not fused_write_supported(k_buffer.dtype, k.dtype, None if kmin is None else kmin.dtype,
+                                     None if labels is None else labels.dtype):
+            return False
+        scales = _kv_write_scales(layer)
+        if scales and None in (getattr(layer, "k_scale_float", None),
+                               getattr(layer, "v_scale_float", None)):
+            return False  # scales only as tensors: set_kv_buffer divides by those
+        k_scale, v_scale = _kv_read_scales(layer)
+        write_decode_kv(
+            k.reshape(-1, layer.tp_k_head_num, layer.qk_head_dim),
+            v.reshape(-1, layer.tp_v_head_num, layer.v_head_dim),
+            forward_batch.out_cache_loc, k_buffer,
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            kmin, None if self.summaries is None else self.summaries.kmax[index],
+            self.config.block_size, labels,
+            None if labels is None else self.label_channels[layer.layer_id],
+            k_scale=k_scale, v_scale=v_scale)
+        return True
 
     def _forward_decode_kernels(
         self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
         layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool,
+        summarised: bool = False,
     ) -> torch.Tensor:
         from sglang_ext.kernels.sparse_decode import sparse_decode_batched
 
         layer_index = self._layer_index(layer)
-        if self._wrote_kv(k, save_kv_cache):
+        if self._wrote_kv(k, save_kv_cache) and not summarised:
             self._update_summaries(layer, k, v, forward_batch)
         channels = None if self.label_channels is None else self.label_channels[layer.layer_id]
         k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
