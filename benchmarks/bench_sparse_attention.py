@@ -43,7 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
     p.add_argument("--results-name", default="sparse_attention_h200",
                    help="results file name (.json, .png beside it) in --out")
-    p.add_argument("--stages", default="attention,block_scores")
+    p.add_argument("--stages", default="attention,block_scores",
+                   help="comma-separated: attention, block_scores, topk (the block and token "
+                        "top-k)")
     p.add_argument("--batches", default="4,17,30")
     p.add_argument("--selected", type=int, default=2048, help="slots per (request, kv head)")
     p.add_argument("--block-size", type=int, default=32)
@@ -74,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--sparse-summary-dtype fp8_e4m3, one byte per value)")
     p.add_argument("--tiles-per-program", default="1",
                    help="block scores: consecutive tiles per program (a pipelined loop)")
+    p.add_argument("--topk-radix-bits", default="6,7,8",
+                   help="top-k stages: digit widths of the radix select")
+    p.add_argument("--topk-warps", default="4,8,16,32", help="top-k stages: warps per row")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     return p.parse_args(argv)
@@ -227,6 +232,40 @@ def run_block_scores(torch, args, timer, failures: list[str]) -> list[dict]:
     return rows
 
 
+def run_topk(torch, args, timer, failures: list[str]) -> list[dict]:
+    """The two top-k of the two-level selection at the serving shapes, one row per (request,
+    kv head): the block top-k over the static grid's blocks (the request's live, the rest
+    -inf), k = the automatic filter's blocks; the token top-k over those blocks' tokens,
+    k = the budget's middle. Latency bound (one program per row): the floor printed is the
+    rows' bytes at HBM speed."""
+    from sglang_ext.config import build_config
+    from sglang_ext.kernels.topk import topk_launch_config, topk_masked
+
+    bs, ctx = args.block_size, args.context
+    max_blocks = -(-max(args.max_context or ctx, ctx) // bs)
+    cfg = build_config(budget=args.selected, block_size=bs, sink=16, window=64)
+    k_blocks = cfg.effective_candidate_blocks
+    shapes = {"block_topk": (max_blocks, -(-ctx // bs), k_blocks),
+              "token_topk": (k_blocks * bs, k_blocks * bs, args.selected - 16 - 64)}
+    rows = []
+    for stage, (n, live, k) in shapes.items():
+        for batch in _ints(args.batches):
+            scores = torch.full((batch, HKV, n), float("-inf"), device="cuda")
+            scores[..., :live] = torch.randn(batch, HKV, live, device="cuda")
+            out = torch.empty(batch, HKV, k, dtype=torch.int32, device="cuda")
+            default = dict(radix_bits=8, num_warps=topk_launch_config(n, k)["num_warps"])
+            variants = [dict(radix_bits=b, num_warps=w) for b, w in itertools.product(
+                _ints(args.topk_radix_bits), _ints(args.topk_warps))]
+
+            def build(var, scores=scores, k=k, out=out):
+                return lambda: topk_masked(scores, k, out=out, radix_bits=var["radix_bits"],
+                                           num_warps=var["num_warps"])
+
+            floor_ms = batch * HKV * n * 4 / (HBM_TBPS * 1e12) * 1e3
+            rows += _timed_rows(timer, stage, batch, variants, build, floor_ms, default, failures)
+    return rows
+
+
 def run(args: argparse.Namespace) -> dict:
     import torch
 
@@ -241,10 +280,15 @@ def run(args: argparse.Namespace) -> dict:
     if "block_scores" in stages:
         rows += run_block_scores(torch, args, timer, failures)
         timer.release()
+    if "topk" in stages:
+        rows += run_topk(torch, args, timer, failures)
+        timer.release()
     return dict(rows=rows, failures=failures)
 
 
 def variant_name(row: dict) -> str:
+    if row.get("stage", "").endswith("_topk"):
+        return f"radix{row['radix_bits']} w{row['num_warps']}"
     if row.get("stage", "attention") == "block_scores":
         return (f"nb{row['block_nb']} w{row['num_warps']} s{row['num_stages']} "
                 f"h{row.get('heads_per_program', 1)}{' hfast' if row.get('heads_fastest') else ''}"

@@ -280,6 +280,7 @@ def topk_masked(
     k_rows: Tensor | None = None,
     n_rows: Tensor | None = None,
     out_rows: Tensor | None = None,
+    num_warps: int | None = None,
 ) -> Tensor:
     """Indices (int32 ``[..., k]``) of the ``k`` largest finite entries of each row, ``-1``
     padded. See the module docstring for the two implementations.
@@ -295,7 +296,8 @@ def topk_masked(
 
     Triton only: ``radix_bits`` (5..8) is the digit width of the radix select (8: 4 passes of
     a 256-bin histogram; 6: 6 passes of a cheaper 64-bin one), ``early_exit`` skips the
-    remaining passes once the k-th value's bucket is taken whole. Results are identical."""
+    remaining passes once the k-th value's bucket is taken whole, ``num_warps`` overrides the
+    launch's (:func:`topk_launch_config`). Results are identical."""
     if scores.dtype != torch.float32:
         raise TypeError(f"scores must be float32, got {scores.dtype}")
     lead, n = scores.shape[:-1], scores.shape[-1]
@@ -336,7 +338,8 @@ def topk_masked(
         HAS_N_ROWS=n_rows is not None,
         OUT_ROWS=out_flat if out_rows is None else out_rows,
         HAS_OUT_ROWS=out_rows is not None,
-        **topk_launch_config(n, k, radix_bits),
+        **{**topk_launch_config(n, k, radix_bits),
+           **({} if num_warps is None else {"num_warps": num_warps})},
     )
     return out
 

@@ -10,6 +10,7 @@ from benchmarks.bench_sparse_attention import (
     parse_args,
     plot,
     two_level_selection,
+    variant_name,
 )
 
 
@@ -61,3 +62,10 @@ def test_variant_grid_is_the_product_of_the_options():
 def test_plot_writes_one_panel_per_stage(tmp_path: Path):
     plot(_rows(), str(tmp_path / "p.png"), "t")
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_topk_rows_are_named_by_digit_width_and_warps():
+    row = dict(stage="block_topk", batch=10, radix_bits=6, num_warps=16, ms=0.02, tbps=0.1,
+               is_default=False)
+    assert variant_name(row) == "radix6 w16"
+    assert best_by_case([row])[0]["best"] == "radix6 w16"

@@ -130,6 +130,8 @@ def test_gpu_real_shapes(n, k):
         assert torch.equal(got, topk_masked_ref(s, k))
         for bits, early_exit in ((6, True), (8, False)):
             assert torch.equal(topk_masked(s, k, radix_bits=bits, early_exit=early_exit), got)
+        for warps in (4, 32):  # the launch's warps (benchmarks/bench_sparse_attention.py)
+            assert torch.equal(topk_masked(s, k, num_warps=warps), got)
         if not ties:
             assert _sets(topk_masked(s, k, impl="torch")) == _sets(got)
 
