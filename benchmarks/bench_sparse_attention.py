@@ -74,6 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--summary-dtype", default="bf16", choices=["bf16", "fp8"],
                    help="block scores: the page summaries' storage (fp8: "
                         "--sparse-summary-dtype fp8_e4m3, one byte per value)")
+    p.add_argument("--summary-layouts", default="page",
+                   help="block scores: how the summaries are stored, comma-separated: page "
+                        "([pages, Hkv, D], a page's heads adjacent) and/or head ([Hkv, pages, "
+                        "D], a head's consecutive pages adjacent)")
     p.add_argument("--tiles-per-program", default="1",
                    help="block scores: consecutive tiles per program (a pipelined loop)")
     p.add_argument("--topk-radix-bits", default="6,7,8",
@@ -112,11 +116,13 @@ def attention_variants(args: argparse.Namespace) -> list[dict]:
 
 def block_score_variants(args: argparse.Namespace) -> list[dict]:
     return [dict(block_nb=n, num_warps=w, num_stages=st, heads_per_program=h,
-                 heads_fastest=bool(f), tiles_per_program=t, skip_dead_tiles=bool(sd))
-            for n, w, st, h, f, t, sd in itertools.product(
+                 heads_fastest=bool(f), tiles_per_program=t, skip_dead_tiles=bool(sd),
+                 summary_layout=lay)
+            for n, w, st, h, f, t, sd, lay in itertools.product(
                 _ints(args.block_nb), _ints(args.warps), _ints(args.score_stages),
                 _ints(args.heads_per_program), _ints(args.heads_fastest),
-                _ints(args.tiles_per_program), _ints(args.skip_dead_tiles))]
+                _ints(args.tiles_per_program), _ints(args.skip_dead_tiles),
+                args.summary_layouts.split(","))]
 
 
 def _timed_rows(timer, stage: str, batch: int, variants: list[dict], build, floor_ms: float,
@@ -197,7 +203,7 @@ def run_block_scores(torch, args, timer, failures: list[str]) -> list[dict]:
                        tiles_per_program=bsc.default_tiles_per_program(
                            batch, HKV // bsc.HEADS_PER_PROGRAM,
                            -(-max_blocks // bsc.TC_BLOCK_NB), "cuda"),
-                       skip_dead_tiles=True)
+                       skip_dead_tiles=True, summary_layout="page")
         pages = batch * -(-ctx // bs)
         kmin = torch.randn(pages, HKV, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         kmax = kmin + torch.rand_like(kmin)
@@ -217,9 +223,16 @@ def run_block_scores(torch, args, timer, failures: list[str]) -> list[dict]:
         q = torch.randn(batch, HQ, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         floor_ms = pages * HKV * HEAD_DIM * 2 * value_bytes / (HBM_TBPS * 1e12) * 1e3
 
+        # the same values stored head-major, seen through [pages, Hkv, D] views
+        layouts = {"page": (kmin, kmax)}
+        if "head" in args.summary_layouts.split(","):
+            layouts["head"] = tuple(x.permute(1, 0, 2).contiguous().permute(1, 0, 2)
+                                    for x in (kmin, kmax))
+
         def build(var):
+            lo, hi = layouts[var["summary_layout"]]
             return lambda: bsc.quest_block_scores_batched(
-                q, kmin, kmax, req_to_token, rows_idx, seq_lens, bs, 16, 64, max_blocks,
+                q, lo, hi, req_to_token, rows_idx, seq_lens, bs, 16, 64, max_blocks,
                 block_nb=var["block_nb"], num_warps=var["num_warps"],
                 num_stages=var["num_stages"], heads_per_program=var["heads_per_program"],
                 heads_fastest=var["heads_fastest"],
@@ -228,7 +241,7 @@ def run_block_scores(torch, args, timer, failures: list[str]) -> list[dict]:
 
         rows += _timed_rows(timer, "block_scores", batch, block_score_variants(args), build,
                             floor_ms, default, failures)
-        del kmin, kmax, req_to_token
+        del kmin, kmax, req_to_token, layouts
     return rows
 
 
@@ -293,6 +306,7 @@ def variant_name(row: dict) -> str:
         return (f"nb{row['block_nb']} w{row['num_warps']} s{row['num_stages']} "
                 f"h{row.get('heads_per_program', 1)}{' hfast' if row.get('heads_fastest') else ''}"
                 f" t{row.get('tiles_per_program', 1)}"
+                f"{' head-major' if row.get('summary_layout') == 'head' else ''}"
                 f"{' whole-grid' if not row.get('skip_dead_tiles', False) else ''}")
     return (f"{row['programs_per_sm']}/SM n{row.get('block_n', 64)} w{row.get('num_warps', 4)} "
             f"s{row.get('num_stages', 2)}{' earlyV' if row['early_v'] else ''}"

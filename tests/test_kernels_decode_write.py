@@ -143,7 +143,10 @@ def test_gpu_real_shapes_inside_a_cuda_graph():
     k = torch.empty(batch, hkv, d, dtype=torch.bfloat16, device="cuda")
     v = torch.empty_like(k)
     loc = torch.empty(batch, dtype=torch.int64, device="cuda")
-    write_decode_kv(k, v, loc.zero_(), *got[:4], page, got[4], got[5])  # compile outside
+    # compile outside the capture, writing slot 0 (the padding slot) on both sides
+    k.zero_(), v.zero_(), loc.zero_()
+    write_decode_kv(k, v, loc, *got[:4], page, got[4], got[5])
+    write_decode_kv_ref(k.clone(), v.clone(), loc, *want[:4], page, want[4], want[5])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         write_decode_kv(k, v, loc, *got[:4], page, got[4], got[5])
