@@ -198,11 +198,12 @@ def run_block_scores(torch, args, timer, failures: list[str]) -> list[dict]:
     rows = []
     for batch in _ints(args.batches):
         # what quest_block_scores_batched picks by itself for bf16 summaries on tensor cores
-        default = dict(block_nb=bsc.TC_BLOCK_NB, num_warps=4, num_stages=bsc.TC_NUM_STAGES,
+        nb = bsc.tc_block_nb(torch.float8_e4m3fn if args.summary_dtype == "fp8"
+                             else torch.bfloat16)
+        default = dict(block_nb=nb, num_warps=4, num_stages=bsc.TC_NUM_STAGES,
                        heads_per_program=bsc.HEADS_PER_PROGRAM, heads_fastest=bsc.HEADS_FASTEST,
                        tiles_per_program=bsc.default_tiles_per_program(
-                           batch, HKV // bsc.HEADS_PER_PROGRAM,
-                           -(-max_blocks // bsc.TC_BLOCK_NB), "cuda"),
+                           batch, HKV // bsc.HEADS_PER_PROGRAM, -(-max_blocks // nb), "cuda"),
                        skip_dead_tiles=True, summary_layout="page")
         pages = batch * -(-ctx // bs)
         kmin = torch.randn(pages, HKV, HEAD_DIM, dtype=torch.bfloat16, device="cuda")

@@ -56,9 +56,20 @@ HEADS_FASTEST = False
 # 8 tiles lose up to 4.6 us (36.7 / 42.5 / 36.6 / 51.1 us;
 # sparse_attention_h200_block_score_dead_tiles_*.json).
 TC_BLOCK_NB = 32
+# fp8 summaries (one byte per value): 64 blocks per tile, the bytes of a bf16 tile of 32. At
+# 10 requests x 128k (a 160k grid, 4 tiles per program, 3 stages) 42.1 us against 46.8 us at
+# 32 blocks; 128 blocks 45-46 us; storing the summaries head-major changes nothing (41.6-42.0
+# us): the kernel runs at ~2.0 TB/s whatever the layout
+# (sparse_attention_h200_fp8_summaries_128k.json, _layout_128k.json).
+TC_BLOCK_NB_FP8 = 64
 TC_NUM_STAGES = 3
 MAX_TILES_PER_PROGRAM = 4
 MIN_PROGRAMS_PER_SM = 4
+
+
+def tc_block_nb(summary_dtype: torch.dtype) -> int:
+    """Blocks per tile of the tensor-core launch for summaries of this dtype."""
+    return TC_BLOCK_NB_FP8 if summary_dtype == FP8_SUMMARIES else TC_BLOCK_NB
 
 
 def default_tiles_per_program(batch: int, head_programs: int, block_tiles: int,
@@ -289,7 +300,7 @@ def quest_block_scores_batched(
     summaries share a 16-bit dtype (the block scores as GEMMs: measured 5-15% faster per decode
     step at 128k, see benchmarks/results/operator_h200*.json), otherwise "fma" for groups
     smaller than 8 query heads of at most 256 dims and "ieee" for the others. ``block_nb``: blocks per program
-    (default: ``TC_BLOCK_NB`` for "tc", 64 for 2-byte summaries with "fma", otherwise 32);
+    (default: :func:`tc_block_nb` for "tc", 64 for 2-byte summaries with "fma", otherwise 32);
     ``num_warps`` / ``num_stages``: the launch's (default: 4 warps for "tc" or small tiles, else
     8; ``TC_NUM_STAGES`` for "tc", else Triton's default stages). ``heads_per_program`` (a
     divisor of Hkv): kv heads one program scores (sharing its page lookups, reading each page's summaries of those heads as one run);
@@ -337,9 +348,9 @@ def quest_block_scores_batched(
     if block_nb is None:
         # 16 KB of each summary tensor per program (the measured float32 configuration); for
         # 2-byte summaries with "fma" that also means fewer instructions per block (SASS: 120
-        # vs 148 warp-instructions per block at 64 vs 32 blocks). Tensor cores: TC_BLOCK_NB.
-        block_nb = (TC_BLOCK_NB if precision == "tc"
-                    else 64 if kmin.element_size() == 2 and precision == "fma" else 32)
+        # vs 148 warp-instructions per block at 64 vs 32 blocks). Tensor cores: tc_block_nb.
+        block_nb = tc_block_nb(kmin.dtype) if precision == "tc" else \
+            64 if kmin.element_size() == 2 and precision == "fma" else 32
     if num_stages is None and precision == "tc":
         num_stages = TC_NUM_STAGES
     block_nb = min(block_nb, max(16, triton.next_power_of_2(max_blocks)))
