@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="results file name (.json, .png beside it) in --out")
     p.add_argument("--stages", default="attention,block_scores",
                    help="comma-separated: attention, block_scores, topk (the block and token "
-                        "top-k)")
+                        "top-k), kv_write (a decode step's KV write, fused or not)")
     p.add_argument("--batches", default="4,17,30")
     p.add_argument("--selected", type=int, default=2048, help="slots per (request, kv head)")
     p.add_argument("--block-size", type=int, default=32)
@@ -280,6 +280,58 @@ def run_topk(torch, args, timer, failures: list[str]) -> list[dict]:
     return rows
 
 
+def run_kv_write(torch, args, timer, failures: list[str]) -> list[dict]:
+    """A decode step's KV write over all 36 layers, in one CUDA graph: SGLang's
+    set_kv_buffer (on an fp8 cache: two casts and the store) + rounding the keys to the cache
+    + the summary and label kernels (the unfused path), against kernels/decode_write.py's one
+    launch per layer; fp8 cache, fp8 summaries and labels (16 channels), one token per
+    request on its own page. Every variant must leave the same cache bytes."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
+
+    from sglang_ext.kernels.block_summary import allocate_block_summaries, update_block_summaries
+    from sglang_ext.kernels.decode_write import FP8_KV, write_decode_kv
+    from sglang_ext.kernels.label_cache import allocate_label_cache, update_label_cache
+    from sglang_ext.selection.reference import FP8_SUMMARIES
+
+    layers, bs, r, slots = 36, args.block_size, 16, 1 << 16
+    pool = MHATokenToKVPool(size=slots, page_size=bs, dtype=FP8_KV, head_num=HKV,
+                            head_dim=HEAD_DIM, layer_num=layers, device="cuda",
+                            enable_memory_saver=False)
+    side = [allocate_block_summaries(slots + bs, HKV, HEAD_DIM, bs, "cuda", FP8_SUMMARIES)
+            for _ in range(layers)]
+    labels = [allocate_label_cache(slots + bs, HKV, r, "cuda", FP8_KV) for _ in range(layers)]
+    channels = torch.stack([torch.randperm(HEAD_DIM)[:r] for _ in range(HKV)]).cuda()
+    rows = []
+    for batch in _ints(args.batches):
+        loc = (torch.randperm(slots // bs - 1)[:batch] + 1).cuda() * bs + 3
+        keys = [torch.randn(batch, HKV, HEAD_DIM, device="cuda").bfloat16()
+                for _ in range(layers)]
+        values = [torch.randn_like(k) for k in keys]
+
+        def step(fused: bool):
+            for i in range(layers):
+                if fused:
+                    write_decode_kv(keys[i], values[i], loc, pool.get_key_buffer(i),
+                                    pool.get_value_buffer(i), *side[i], bs, labels[i], channels)
+                    continue
+                pool.set_kv_buffer(SimpleNamespace(layer_id=i), KVWriteLoc(loc, None),
+                                   keys[i], values[i])
+                rounded = keys[i].to(FP8_KV).to(torch.bfloat16)
+                update_block_summaries(*side[i], rounded, loc, bs)
+                update_label_cache(labels[i], rounded, loc, channels)
+            return pool.get_key_buffer(layers - 1).view(torch.uint8)[loc].float()
+
+        def build(var):
+            return lambda: step(var["path"] == "fused")
+
+        rows += _timed_rows(timer, "kv_write", batch,
+                            [dict(path="unfused"), dict(path="fused")], build, 0.0,
+                            dict(path="unfused"), failures)
+    return rows
+
+
 def run(args: argparse.Namespace) -> dict:
     import torch
 
@@ -297,10 +349,15 @@ def run(args: argparse.Namespace) -> dict:
     if "topk" in stages:
         rows += run_topk(torch, args, timer, failures)
         timer.release()
+    if "kv_write" in stages:
+        rows += run_kv_write(torch, args, timer, failures)
+        timer.release()
     return dict(rows=rows, failures=failures)
 
 
 def variant_name(row: dict) -> str:
+    if row.get("stage") == "kv_write":
+        return row["path"]
     if row.get("stage", "").endswith("_topk"):
         return f"radix{row['radix_bits']} w{row['num_warps']}"
     if row.get("stage", "attention") == "block_scores":
