@@ -339,18 +339,12 @@ def run(args: argparse.Namespace) -> dict:
     timer = Timer(torch, args.warmup, args.iters, graphs=True)
     rows: list[dict] = []
     failures: list[str] = []
-    stages = args.stages.split(",")
-    if "attention" in stages:
-        rows += run_attention(torch, args, timer, failures)
-        timer.release()
-    if "block_scores" in stages:
-        rows += run_block_scores(torch, args, timer, failures)
-        timer.release()
-    if "topk" in stages:
-        rows += run_topk(torch, args, timer, failures)
-        timer.release()
-    if "kv_write" in stages:
-        rows += run_kv_write(torch, args, timer, failures)
+    runners = {"attention": run_attention, "block_scores": run_block_scores,
+               "topk": run_topk, "kv_write": run_kv_write}
+    for stage in args.stages.split(","):
+        if stage not in runners:
+            raise SystemExit(f"unknown stage {stage!r} (one of {', '.join(runners)})")
+        rows += runners[stage](torch, args, timer, failures)
         timer.release()
     return dict(rows=rows, failures=failures)
 

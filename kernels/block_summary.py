@@ -126,9 +126,16 @@ def _update_runs_kernel(
     run_min = tl.min(tl.where(kmask, k, float("inf")), axis=0)
     run_max = tl.max(tl.where(kmask, k, float("-inf")), axis=0)
 
-    dst = page * stride_page + offs
     wmask = cmask & start
-    fold = wmask & (reset == 0)  # reset: overwrite, do not read the stale summary
+    fold_into_summary(KMIN, KMAX, page * stride_page + offs, wmask,
+                      wmask & (reset == 0), run_min, run_max, FP8)
+
+
+@triton.jit
+def fold_into_summary(KMIN, KMAX, dst, wmask, fold, run_min, run_max, FP8: tl.constexpr):
+    """Write a page's summary at ``dst`` (where ``wmask``): the fp32 ``run_min`` /
+    ``run_max`` folded into the stored min/max where ``fold``, or replacing it (a page's
+    first slot written: the stale summary is not read)."""
     # (fp8 has no inf: the masked loads' fill is applied in fp32)
     old_min = tl.where(fold, tl.load(KMIN + dst, mask=fold, other=0.0).to(tl.float32),
                        float("inf"))

@@ -36,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sglang_ext.kernels.block_summary import (
-    FP8_LIMIT, SUMMARY_DTYPES, fp8_directed, update_block_summaries_ref,
+    FP8_LIMIT, SUMMARY_DTYPES, fold_into_summary, update_block_summaries_ref,
 )
 from sglang_ext.kernels.label_cache import update_label_cache_ref
 from sglang_ext.selection.reference import FP8_SUMMARIES
@@ -112,20 +112,9 @@ def _decode_kv_write_kernel(
 
     if SUMMARIES:
         key = k_stored.to(tl.float32)  # exact: the summaries hold the stored keys' values
-        dst = (slot // PAGE_SIZE) * stride_sp + g * stride_sh + d
-        fold = dmask & (slot % PAGE_SIZE != 0)  # a page's first slot starts it clean
-        old_min = tl.where(fold, tl.load(KMIN + dst, mask=fold, other=0.0).to(tl.float32),
-                           float("inf"))
-        old_max = tl.where(fold, tl.load(KMAX + dst, mask=fold, other=0.0).to(tl.float32),
-                           float("-inf"))
-        new_min = tl.minimum(old_min, key)
-        new_max = tl.maximum(old_max, key)
-        if SUMMARY_FP8:
-            tl.store(KMIN + dst, fp8_directed(new_min, False), mask=dmask)
-            tl.store(KMAX + dst, fp8_directed(new_max, True), mask=dmask)
-        else:
-            tl.store(KMIN + dst, new_min.to(KMIN.dtype.element_ty), mask=dmask)
-            tl.store(KMAX + dst, new_max.to(KMAX.dtype.element_ty), mask=dmask)
+        # one token per page: the run is this key; a page's first slot starts it clean
+        fold_into_summary(KMIN, KMAX, (slot // PAGE_SIZE) * stride_sp + g * stride_sh + d,
+                          dmask, dmask & (slot % PAGE_SIZE != 0), key, key, SUMMARY_FP8)
 
     if NUM_CH > 0:
         i = tl.arange(0, BLOCK_CH)
