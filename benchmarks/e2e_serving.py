@@ -130,13 +130,28 @@ def launch(model: str, tokenizer: str, args: list[str], port: int, context_len: 
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
-def wait_healthy(proc: subprocess.Popen, port: int, timeout: float, log_path: str) -> None:
+# SGLang's decode-only benchmark mode (--decode-only): a decode server whose requests arrive
+# "prefilled" by a fake KV transfer (bench_serving --fake-prefill), so a 128k run measures
+# decode without its prefills; the KV it decodes over is whatever the pool holds.
+DECODE_ONLY_FLAGS = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "fake"]
+
+
+def server_extra(args: argparse.Namespace) -> list[str]:
+    """The server flags every config gets from the command line."""
+    return (args.extra.split() + (["--tp", str(args.tp)] if args.tp > 1 else [])
+            + (DECODE_ONLY_FLAGS if args.decode_only else []))
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, timeout: float, log_path: str,
+                 path: str = "/health_generate") -> None:
+    """Wait for ``path`` to answer (a decode-only server cannot serve /health_generate's
+    test generation without a prefill: /health, which answers once its warm-up ran)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited {proc.returncode}:\n{tail(log_path)}")
         try:
-            if requests.get(f"http://127.0.0.1:{port}/health_generate", timeout=60).ok:
+            if requests.get(f"http://127.0.0.1:{port}{path}", timeout=60).ok:
                 return
         except requests.RequestException:
             pass
@@ -360,19 +375,29 @@ def tail(path: str, n: int = 40) -> str:
 
 
 def bench(port: int, tokenizer: str, input_len: int, output_len: int, num_prompts: int,
-          concurrency: int, out_file: str, warmup_requests: int = 1) -> dict[str, Any]:
-    cmd = [
+          concurrency: int, out_file: str, warmup_requests: int = 1,
+          fake_prefill: bool = False) -> dict[str, Any]:
+    cmd = bench_command(port, tokenizer, input_len, output_len, num_prompts, concurrency,
+                        out_file, warmup_requests, fake_prefill)
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    with open(out_file) as f:
+        return json.loads(f.readlines()[-1])
+
+
+def bench_command(port: int, tokenizer: str, input_len: int, output_len: int, num_prompts: int,
+                  concurrency: int, out_file: str, warmup_requests: int = 1,
+                  fake_prefill: bool = False) -> list[str]:
+    """sglang.bench_serving's command line (random token ids; ``fake_prefill``: requests
+    for a decode-only server, DECODE_ONLY_FLAGS)."""
+    return [
         sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--port", str(port),
         "--host", "127.0.0.1", "--tokenizer", tokenizer, "--dataset-name", "random-ids",
         "--random-input-len", str(input_len), "--random-output-len", str(output_len),
         "--random-range-ratio", "1.0", "--num-prompts", str(num_prompts),
         "--max-concurrency", str(concurrency), "--output-file", out_file,
-        "--warmup-requests", str(warmup_requests),
+        "--warmup-requests", str(warmup_requests), *(["--fake-prefill"] if fake_prefill else []),
     ]
-    print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
-    with open(out_file) as f:
-        return json.loads(f.readlines()[-1])
 
 
 def greedy_outputs(port: int, num_prompts: int, prompt_len: int, output_len: int,
@@ -674,6 +699,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bench_serving's warmup requests per run (each one a full-length prefill; "
                         "0 saves ~40 s per 128k run where TTFT is not what is measured)")
     p.add_argument("--extra", default="", help="extra server flags for every config")
+    p.add_argument("--decode-only", action="store_true",
+                   help="SGLang's decode-only benchmark mode on every server (" +
+                        " ".join(DECODE_ONLY_FLAGS) + ", bench_serving --fake-prefill): no "
+                        "prefills, the decode runs over KV the pool already holds (rows get "
+                        "decode_only: true; TTFT and input throughput mean nothing there)")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks/results"))
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--startup-timeout", type=float, default=400)
@@ -730,7 +760,7 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     lengths = args.input_len
     context_len = int(max(lengths) * 1.25) + args.output_len + 64
-    extra = args.extra.split() + (["--tp", str(args.tp)] if args.tp > 1 else [])
+    extra = server_extra(args)
     greedy_ref = None
     results_path = os.path.join(args.out, f"{args.results_name}.json")
     meta = {"commit": git_commit(), "gpu": args.gpu or gpu_name(),
@@ -771,7 +801,8 @@ def main() -> int:
                           log_path, extra)
             try:
                 t0 = time.time()
-                wait_healthy(proc, args.port, args.startup_timeout, log_path)
+                wait_healthy(proc, args.port, args.startup_timeout, log_path,
+                             "/health" if args.decode_only else "/health_generate")
                 print(f"{name}: healthy after {time.time() - t0:.0f}s", flush=True)
                 if args.greedy_check:
                     with open(greedy_path, "w") as f:
@@ -788,7 +819,7 @@ def main() -> int:
                         if prompts and args.profile_steps else None
                     results[n] = bench(args.port, args.tokenizer, n, args.output_len,
                                        prompts, concurrency, bench_paths[n],
-                                       args.warmup_requests) \
+                                       args.warmup_requests, args.decode_only) \
                         if prompts else {"completed": 0}
                     if profiler is not None:
                         profiler[1].set()
@@ -831,6 +862,7 @@ def main() -> int:
                 **tier_traffic(flags, stats.get("tier_stats")),
                 **({"decode_profile": profiles[n]} if n in profiles else {}),
                 **({"bench_cut": True} if result.get("bench_cut") else {}),
+                **({"decode_only": True} if args.decode_only else {}),
             })
             print(json.dumps(rows[-1]), flush=True)
         # what has been measured so far survives a run cut by the time box

@@ -52,6 +52,8 @@ class Server:
     port: int = field(default_factory=free_port)
     process: Optional[subprocess.Popen] = None
     log_path: str = ""
+    # what answers once the server serves (a decode-only server has no test generation)
+    health_path: str = "/health_generate"
 
     @property
     def url(self) -> str:
@@ -69,7 +71,7 @@ class Server:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
-                if requests.get(self.url + "/health_generate", timeout=30).status_code == 200:
+                if requests.get(self.url + self.health_path, timeout=30).status_code == 200:
                     return self
             except requests.RequestException:
                 pass

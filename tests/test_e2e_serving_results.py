@@ -348,7 +348,8 @@ def test_several_input_lengths_reuse_one_server_per_config(tmp_path, monkeypatch
 
     sizes_at_bench: list[int] = []  # where each benchmark's part of its server's log starts
 
-    def bench(port, tokenizer, n, output_len, prompts, concurrency, out_file, warmup):
+    def bench(port, tokenizer, n, output_len, prompts, concurrency, out_file, warmup,
+              fake_prefill=False):
         benched.append((n, warmup))
         log = tmp_path / f"server_{launched_names[-1]}.log"
         sizes_at_bench.append(log.stat().st_size)
@@ -453,7 +454,8 @@ def test_auto_concurrency_drives_bench_serving_and_the_profile_lands_in_the_row(
             f.write(_START_LINE.format(cap=caps[name]).replace("698122", str(tokens)))
         return Proc()
 
-    def bench(port, tokenizer, n, output_len, prompts, concurrency, out_file, warmup):
+    def bench(port, tokenizer, n, output_len, prompts, concurrency, out_file, warmup,
+              fake_prefill=False):
         benched.append((n, prompts, concurrency))
         name = os.path.basename(out_file)[len("bench_"):-len(".jsonl")]
         with open(tmp_path / f"server_{name}.log", "a") as f:  # the prefill the driver checks
@@ -525,6 +527,24 @@ def test_e2e_step_passes_the_documented_knobs() -> None:
     assert (args.num_prompts, args.concurrency, args.profile_steps, args.block_size) == \
         (16, 16, 0, 0)
     assert build_parser().parse_args(_run_sh_call("e2e", {"E2E_APPEND": "1"})).append
+
+
+def test_decode_only_reaches_every_server_and_bench_serving() -> None:
+    """E2E_DECODE_ONLY=1: both servers start in SGLang's decode-only mode with the fake KV
+    transfer, after the --extra flags, and bench_serving sends fake-prefilled requests."""
+    from benchmarks.e2e_serving import DECODE_ONLY_FLAGS, bench_command, build_parser, server_extra
+
+    args = build_parser().parse_args(_run_sh_call("e2e", {"E2E_DECODE_ONLY": "1",
+                                                          "E2E_EXTRA": "--mem-fraction-static 0.9"}))
+    assert args.decode_only
+    assert server_extra(args) == ["--mem-fraction-static", "0.9", *DECODE_ONLY_FLAGS]
+    assert DECODE_ONLY_FLAGS == ["--disaggregation-mode", "decode",
+                                 "--disaggregation-transfer-backend", "fake"]
+    cmd = bench_command(30000, "tok", 131072, 256, 11, 11, "out.jsonl", 0, fake_prefill=True)
+    assert cmd[-1] == "--fake-prefill" and "--fake-prefill" not in bench_command(
+        30000, "tok", 131072, 256, 11, 11, "out.jsonl", 0)
+    plain = build_parser().parse_args(_run_sh_call("e2e"))
+    assert not plain.decode_only and DECODE_ONLY_FLAGS[0] not in server_extra(plain)
 
 
 def test_mla_e2e_step_parses_and_its_configs_start_on_the_mla_model() -> None:

@@ -62,6 +62,7 @@ for step in "$@"; do
         --num-prompts "${E2E_PROMPTS:-16}" --concurrency "${E2E_CONCURRENCY:-${E2E_PROMPTS:-16}}" \
         --warmup-requests "${E2E_WARMUP:-1}" --profile-steps "${E2E_PROFILE_STEPS:-0}" \
         ${E2E_BLOCK_SIZE:+--block-size "$E2E_BLOCK_SIZE"} ${E2E_APPEND:+--append} \
+        ${E2E_DECODE_ONLY:+--decode-only} \
         --extra "${E2E_EXTRA:---mem-fraction-static 0.75}" || status=1 ;;
     soak)
       # >= 200 requests of 1k-128k tokens, ~10 % aborted, CPU tier on, metrics on; decisive dummy
