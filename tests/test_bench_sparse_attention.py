@@ -69,3 +69,15 @@ def test_topk_rows_are_named_by_digit_width_and_warps():
                is_default=False)
     assert variant_name(row) == "radix6 w16"
     assert best_by_case([row])[0]["best"] == "radix6 w16"
+
+
+def test_latency_stages_are_plotted_in_time_under_their_own_title(tmp_path: Path):
+    from benchmarks.bench_sparse_attention import plot_title
+
+    rows = [dict(stage="kv_write", batch=10, path=p, ms=ms, floor_ms=0.0, tbps=0.0,
+                 is_default=p == "unfused") for p, ms in (("unfused", 0.57), ("fused", 0.11))]
+    assert best_by_case(rows)[0]["best"] == "fused"
+    plot(rows, str(tmp_path / "k.png"), plot_title(parse_args(["--stages", "kv_write"]), "G"))
+    assert (tmp_path / "k.png").stat().st_size > 0
+    assert "KV write" in plot_title(parse_args(["--stages", "kv_write"]), "G")
+    assert "one layer" in plot_title(parse_args([]), "G")
