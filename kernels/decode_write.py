@@ -136,11 +136,13 @@ def fused_write_supported(kv_dtype: torch.dtype, key_dtype: torch.dtype,
                           summary_dtype: Optional[torch.dtype],
                           label_dtype: Optional[torch.dtype]) -> bool:
     """Whether :func:`write_decode_kv` writes this combination exactly as the unfused path:
-    a cache in the keys' own (16-bit) dtype or float8_e4m3fn; summaries in the stored keys'
-    dtype, float32 or fp8; labels in the stored keys' dtype or fp8."""
+    a cache in the keys' own (16-bit) dtype, or float8_e4m3fn under bf16 keys (the kernel
+    rounds ``k / k_scale`` to bf16 before fp8, as set_kv_buffer's in-place division does for
+    bf16 keys; fp16 keys would be rounded to fp16 there); summaries in the stored keys' dtype,
+    float32 or fp8; labels in the stored keys' dtype or fp8."""
     if key_dtype not in (torch.bfloat16, torch.float16):
         return False
-    if kv_dtype not in (key_dtype, FP8_KV):
+    if kv_dtype not in (key_dtype, FP8_KV) or (kv_dtype == FP8_KV and key_dtype != torch.bfloat16):
         return False
     if summary_dtype is not None and summary_dtype not in (kv_dtype, torch.float32,
                                                            FP8_SUMMARIES):

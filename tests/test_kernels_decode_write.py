@@ -119,6 +119,7 @@ def test_supported_combinations_and_checks():
     assert fused_write_supported(bf16, bf16, bf16, bf16)
     assert fused_write_supported(fp8, bf16, torch.float32, fp8)
     assert not fused_write_supported(torch.float8_e5m2, bf16, None, None)  # e5m2: unfused
+    assert not fused_write_supported(fp8, torch.float16, None, None)  # k / s rounds in fp16
     assert not fused_write_supported(bf16, torch.float32, None, None)  # narrowing keys
     assert not fused_write_supported(bf16, bf16, torch.float16, None)
     k = torch.zeros(2, 1, 8, dtype=bf16)

@@ -79,6 +79,7 @@ def _kv_read_scales(layer: Any) -> tuple[float, float]:
     scales = (getattr(layer, "k_scale_float", None), getattr(layer, "v_scale_float", None))
     return tuple(1.0 if x is None else float(x) for x in scales)  # type: ignore[return-value]
 
+
 def fused_write_pool(backend: Any) -> bool:
     """Whether a backend's decode may write its KV with kernels/decode_write.py instead of
     the pool's set_kv_buffer: the batched decode over SGLang's own token-major MHA pool (not
