@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import os
 import signal
@@ -34,6 +35,7 @@ sys.path.insert(0, REPO)
 from benchmarks import results_io  # noqa: E402
 from benchmarks.results_io import git_commit, gpu_name, write_results  # noqa: E402
 from benchmarks.soak import TIE_MARGIN, mismatch  # noqa: E402
+from sglang_ext.attention.synthetic_kv import ENV as SYNTHETIC_KV  # noqa: E402
 from sglang_ext.config import (  # noqa: E402
     LOCALITY_FILTER_SCALE,
     LOCALITY_NEW_SHARE,
@@ -114,7 +116,8 @@ CONFIGS["sglang_ext_tier_locality_fi"] = CONFIGS["sglang_ext_tier_locality"] + [
 
 
 def launch(model: str, tokenizer: str, args: list[str], port: int, context_len: int,
-           log_path: str, extra: list[str]) -> subprocess.Popen:
+           log_path: str, extra: list[str],
+           env_extra: Optional[dict[str, str]] = None) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", model,
         "--tokenizer-path", tokenizer, "--load-format", "dummy", "--sampling-backend", "pytorch",
@@ -126,14 +129,22 @@ def launch(model: str, tokenizer: str, args: list[str], port: int, context_len: 
     log = open(log_path, "w")
     # random-ids prompts re-tokenize a little longer than asked: the context is set with
     # headroom, which SGLang allows past the model config only with this variable.
-    env = dict(os.environ, SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN="1")
+    env = dict(os.environ, SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN="1", **(env_extra or {}))
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
 # SGLang's decode-only benchmark mode (--decode-only): a decode server whose requests arrive
 # "prefilled" by a fake KV transfer (bench_serving --fake-prefill), so a 128k run measures
-# decode without its prefills; the KV it decodes over is whatever the pool holds.
+# decode without its prefills. The fake transfer writes no KV: our servers fill their pools
+# with random keys and values first (sglang_ext/attention/synthetic_kv.py), so that the
+# selection ranks keys with a spread instead of ties over SGLang's zeroed pool.
 DECODE_ONLY_FLAGS = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "fake"]
+
+
+def server_env(args: argparse.Namespace) -> dict[str, str]:
+    """Environment every server gets beside this process's (SGLANG_EXT_SYNTHETIC_KV set in
+    it wins, e.g. ``off`` to decode over the zeroed pool)."""
+    return {SYNTHETIC_KV: os.environ.get(SYNTHETIC_KV, "random")} if args.decode_only else {}
 
 
 def server_extra(args: argparse.Namespace) -> list[str]:
@@ -285,21 +296,32 @@ def count_or_auto(text: str) -> Optional[int]:
     return value
 
 
+# bench_serving's random-ids prompts reach the server as text, which re-tokenizes longer: on the
+# H200 a 131,072-token prompt held 137,6xx tokens and a 32,768-token one ~34,630 (both servers'
+# decode logs, e2e_h200.json at 028d3a0)
+RETOKENIZED_GROWTH = 1.05
+# beside a request's prompt and outputs, the decode room SGLang keeps (a decode-only server's
+# --num-reserved-decode-tokens default)
+DECODE_HEADROOM = 512
+
+
 def auto_concurrency(log_text: str, input_len: int, output_len: int, page: int = 16) -> int:
     """The most requests of ``input_len`` + ``output_len`` tokens that a started server holds
     at once (the issue's "largest concurrency that configuration can hold"): its KV tokens
     (SGLang's ``max_total_num_tokens``; with our CPU tier, GPU- and host-homed together) over
-    one request's, rounded up to whole pages, capped by its ``max_running_requests``. SGLang's
-    admission keeps decode headroom beyond the outputs themselves: on the H200 a pool of
-    698,122 tokens admitted 19 of 20 requests of 32k + 1k (and 5 of 128k + 1k), so a request
-    counts two more output lengths. With our CPU tier, each home (GPU rows, host store) is
-    counted for whole requests: at 128k + 1k the H200's tier server ran 4 + 4 of the 9 its
+    one request's, rounded up to whole pages, capped by its ``max_running_requests``. A request
+    counts its prompt as re-tokenized (RETOKENIZED_GROWTH), its outputs and DECODE_HEADROOM.
+    On the H200 this is what ran: FlashInfer's pool of 698,122 tokens admitted 5 requests of
+    128k + 1k and 19 of 32k + 1k; ours, 1,480,384 tokens, at most 10 of 128k + 512 or 1k (not
+    the 11 that prompt + 3 outputs gave). With our CPU tier, each home (GPU rows, host store)
+    is counted for whole requests: at 128k + 1k the H200's tier server ran 4 + 4 of the 9 its
     total would hold. (The profile's trigger also takes a steady smaller batch.)"""
     tokens = re.findall(r"max_total_num_tokens=(\d+)", log_text)
     running = re.findall(r"max_running_requests=(\d+)", log_text)
     if not tokens or not running:
         raise RuntimeError("the server log has no max_total_num_tokens / max_running_requests")
-    per_request = -(-(input_len + 3 * output_len) // page) * page
+    per_request = -(-(math.ceil(input_len * RETOKENIZED_GROWTH) + output_len
+                      + DECODE_HEADROOM) // page) * page
     homes = re.findall(r"CPU tier: GPU-homed (\d+) tokens, host-homed (\d+) tokens", log_text)
     held = sum(int(n) // per_request for n in homes[-1]) if homes \
         else int(tokens[-1]) // per_request
@@ -702,7 +724,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-only", action="store_true",
                    help="SGLang's decode-only benchmark mode on every server (" +
                         " ".join(DECODE_ONLY_FLAGS) + ", bench_serving --fake-prefill): no "
-                        "prefills, the decode runs over KV the pool already holds (rows get "
+                        "prefills, the decode runs over random KV each server writes into its "
+                        "pool at start-up (SGLANG_EXT_SYNTHETIC_KV=random; rows get "
                         "decode_only: true; TTFT and input throughput mean nothing there)")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks/results"))
     p.add_argument("--port", type=int, default=30000)
@@ -798,7 +821,7 @@ def main() -> int:
                 load[n] = bench_load(args, f.read(), n)
         else:
             proc = launch(args.model, args.tokenizer, flags, args.port, context_len,
-                          log_path, extra)
+                          log_path, extra, server_env(args))
             try:
                 t0 = time.time()
                 wait_healthy(proc, args.port, args.startup_timeout, log_path,
@@ -862,7 +885,8 @@ def main() -> int:
                 **tier_traffic(flags, stats.get("tier_stats")),
                 **({"decode_profile": profiles[n]} if n in profiles else {}),
                 **({"bench_cut": True} if result.get("bench_cut") else {}),
-                **({"decode_only": True} if args.decode_only else {}),
+                **({"decode_only": True, "synthetic_kv": server_env(args)[
+                    SYNTHETIC_KV]} if args.decode_only else {}),
             })
             print(json.dumps(rows[-1]), flush=True)
         # what has been measured so far survives a run cut by the time box

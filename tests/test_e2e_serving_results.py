@@ -278,7 +278,7 @@ def test_collect_builds_a_cut_runs_row_from_its_server_log_alone(tmp_path, monke
     base, cut = rows
     assert "bench_cut" not in base and base["completed"] == 5 and base["num_prompts"] == 5
     assert cut["bench_cut"] and cut["completed"] is None and cut["output_tok_s"] is None
-    assert (cut["num_prompts"], cut["decode_tok_s"], cut["server_max_running"]) == (9, 332.44, 8)
+    assert (cut["num_prompts"], cut["decode_tok_s"], cut["server_max_running"]) == (8, 332.44, 8)
 
 
 def _tier_line(wanted: int, moved: int, steps: int, transfer_s: float, exposed_s: float) -> str:
@@ -337,7 +337,7 @@ def test_several_input_lengths_reuse_one_server_per_config(tmp_path, monkeypatch
 
     launched_names: list[str] = []
 
-    def launch(model, tokenizer, flags, port, context_len, log_path, extra):
+    def launch(model, tokenizer, flags, port, context_len, log_path, extra, env_extra=None):
         launched.append((flags[flags.index("--attention-backend") + 1], context_len))
         launched_names.append(os.path.basename(log_path)[len("server_"):-len(".log")])
         with open(log_path, "w") as f:
@@ -416,8 +416,12 @@ def test_auto_concurrency_is_what_the_started_server_holds() -> None:
     assert auto_concurrency(_START_LINE.format(cap=48).replace("698122", "620544"),
                             32768, 1024) == 17  # ours without the tier: 17 ran
     assert auto_concurrency(_START_LINE.format(cap=16), 32768, 1024) == 16  # the cap
-    # a request's tokens round up to whole pages: 698122 // 34832 (not // 34817) = 20
-    assert auto_concurrency(_START_LINE.format(cap=48), 34817, 0) == 20
+    # ours on the fp8 cache at 0.91 held 10 of 128k (11 did not fit), with 512 or 1k outputs
+    fp8 = _START_LINE.format(cap=16).replace("698122", "1480384")
+    assert auto_concurrency(fp8, 131072, 512) == auto_concurrency(fp8, 131072, 1024) == 10
+    # a request's tokens round up to whole pages: 31162 re-tokenized + 512 = 33233 tokens,
+    # 698122 // 33248 = 20 (// 33233 would be 21)
+    assert auto_concurrency(_START_LINE.format(cap=48), 31162, 0) == 20
     assert auto_concurrency(_START_LINE.format(cap=48), 10**6, 0) == 1
     # the CPU tier's homes, each for whole requests: 4 + 4 at 128k + 1k (8 of 9 ran on the H200)
     tier = ("[t] sglang_ext CPU tier: GPU-homed 586688 tokens, host-homed 651040 tokens, working "
@@ -447,7 +451,7 @@ def test_auto_concurrency_drives_bench_serving_and_the_profile_lands_in_the_row(
         def poll(self):
             return None
 
-    def launch(model, tokenizer, flags, port, context_len, log_path, extra):
+    def launch(model, tokenizer, flags, port, context_len, log_path, extra, env_extra=None):
         name = os.path.basename(log_path)[len("server_"):-len(".log")]
         tokens = 698122 if name == "flashinfer" else 1244976
         with open(log_path, "w") as f:
@@ -545,6 +549,20 @@ def test_decode_only_reaches_every_server_and_bench_serving() -> None:
         30000, "tok", 131072, 256, 11, 11, "out.jsonl", 0)
     plain = build_parser().parse_args(_run_sh_call("e2e"))
     assert not plain.decode_only and DECODE_ONLY_FLAGS[0] not in server_extra(plain)
+
+
+def test_decode_only_servers_fill_their_pools_with_random_kv(monkeypatch) -> None:
+    """The fake transfer writes no KV: decode-only servers start with SGLANG_EXT_SYNTHETIC_KV
+    =random (their pools filled at start-up), unless this process's environment says otherwise;
+    other runs leave the environment alone."""
+    from benchmarks.e2e_serving import build_parser, server_env
+
+    decode_only = build_parser().parse_args(_run_sh_call("e2e", {"E2E_DECODE_ONLY": "1"}))
+    monkeypatch.delenv("SGLANG_EXT_SYNTHETIC_KV", raising=False)
+    assert server_env(decode_only) == {"SGLANG_EXT_SYNTHETIC_KV": "random"}
+    assert server_env(build_parser().parse_args(_run_sh_call("e2e"))) == {}
+    monkeypatch.setenv("SGLANG_EXT_SYNTHETIC_KV", "off")
+    assert server_env(decode_only) == {"SGLANG_EXT_SYNTHETIC_KV": "off"}
 
 
 def test_mla_e2e_step_parses_and_its_configs_start_on_the_mla_model() -> None:

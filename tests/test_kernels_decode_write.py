@@ -166,51 +166,30 @@ def _backend_decode(tmp_path, monkeypatch, fused: bool, kv_dtype, side_dtype: st
     """Decode steps of a batch through the backend on SGLang's own (CPU) MHA pool, the KV
     written by the fused kernel or by set_kv_buffer + the summary and label kernels; returns
     (whether the fused path ran, outputs, the pool's rows, summaries, labels)."""
-    import json
     from types import SimpleNamespace
 
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
-    from sglang_ext.attention.sparse_backend import SparseDecodeBackend
-    from sglang_ext.config import build_config
-    from sglang_ext.selection.calibrate import FORMAT as LABELS_FORMAT
-
+    from cpu_backend import cpu_mha_pool, cpu_sparse_backend
     from fake_backend import DecodeMode
 
     monkeypatch.setenv("SGLANG_EXT_FUSED_KV_WRITE", "1" if fused else "0")
-    hq, hkv, d, layers, page, r = 4, 2, 16, 2, 4, 3
+    hq, hkv, d, layers, page = 4, 2, 16, 2, 4
     lens, rows, steps = [30, 45, 17], [3, 1, 6], 6
     gen = torch.Generator().manual_seed(11)
     max_context = max(lens) + steps
     per_req = -(-max_context // page)
     num_pages = 2 + len(rows) * per_req
-    pool = MHATokenToKVPool(size=num_pages * page, page_size=page, dtype=kv_dtype, head_num=hkv,
-                            head_dim=d, layer_num=layers, device="cpu", enable_memory_saver=False)
+    pool = cpu_mha_pool(kv_dtype, hkv, d, layers, page, num_pages)
     for i in range(layers):  # a prompt's KV, as the prefill left it
         for buf in (pool.get_key_buffer(i), pool.get_value_buffer(i)):
             buf.view(torch.uint8 if kv_dtype == FP8_KV else kv_dtype).copy_(
                 torch.randn(buf.shape, generator=gen).to(kv_dtype).view(buf.dtype))
-    channels = [[[0, 7, 15], [2, 3, 9]] for _ in range(layers)]
-    (tmp_path / "labels.json").write_text(json.dumps({
-        "format": LABELS_FORMAT, "model": {"num_layers": layers, "num_kv_heads": hkv,
-                                           "head_dim": d},
-        "label_channels": r, "channels": channels}))
-    cfg = build_config(method="two_level", budget=16, block_size=page, sink=2, window=4,
-                       impl="triton", label_channels=r,
-                       label_config=str(tmp_path / "labels.json"),
-                       label_dtype=side_dtype, summary_dtype=side_dtype)
     table = torch.zeros(8, max_context, dtype=torch.int32)
     pages = (torch.randperm(num_pages - 1, generator=gen) + 1)[: len(rows) * per_req]
     for i, row in enumerate(rows):
         own = pages[i * per_req:(i + 1) * per_req]
         table[row] = (own[:, None] * page + torch.arange(page)).flatten()[:max_context].int()
-    runner = SimpleNamespace(
-        device="cpu", req_to_token_pool=SimpleNamespace(req_to_token=table),
-        token_to_kv_pool=pool, model_config=SimpleNamespace(
-            num_attention_heads=hq, num_hidden_layers=layers, head_dim=d, v_head_dim=d,
-            attention_arch=None, get_total_num_kv_heads=lambda: hkv),
-        server_args=SimpleNamespace(page_size=page, enable_metrics=False), dtype=torch.bfloat16)
-    backend = SparseDecodeBackend(runner, cfg)
+    backend = cpu_sparse_backend(tmp_path, pool, table, hq,
+                                 [[[0, 7, 15], [2, 3, 9]] for _ in range(layers)], side_dtype)
     outs = []
     for _ in range(steps):
         lens = [n + 1 for n in lens]

@@ -255,6 +255,11 @@ class SparseDecodeBackend(AttentionBackend):
         self.previous_queries = PreviousQueries()
         if config.block_filter == "async" and self.impl == "triton":
             self._allocate_block_filter()
+        # decode-only benchmarks (attention/synthetic_kv.py): KV that the fake transfer never wrote
+        from sglang_ext.attention.synthetic_kv import fill_synthetic_kv, synthetic_kv_mode
+
+        if synthetic_kv_mode() == "random":
+            fill_synthetic_kv(self)
 
     # ------------------------------------------------------------------ set-up
 
