@@ -92,8 +92,10 @@ def parse_args(argv=None):
                         "left (default: on; off: it assembles them from the winners)")
     p.add_argument("--compare-scatter", action=argparse.BooleanOptionalAction, default=True,
                    help="also time ours with the other --scatter-selected")
-    p.add_argument("--topk-radix-bits", type=int, default=8, choices=[5, 6, 7, 8],
-                   help="digit width of the Triton radix top-k (see kernels/topk.py)")
+    p.add_argument("--topk-radix-bits", type=int, default=None, choices=[5, 6, 7, 8],
+                   help="digit width of both Triton radix top-k (see kernels/topk.py; default: "
+                        "each its own, BLOCK_TOPK_RADIX_BITS / TOKEN_TOPK_RADIX_BITS in "
+                        "kernels/sparse_decode.py)")
     p.add_argument("--assemble-tile", type=int, default=None,
                    help="slots the fused top-k's assembly writes per pass (default: "
                         "kernels/sparse_decode.py's ASSEMBLE_TILE)")
@@ -520,7 +522,7 @@ def stage_builders(q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, 
         if ws.k_tokens:  # otherwise the block top-k is the fused last top-k
             out.append(("block_topk", lambda: lambda: topk_masked(
                 ws.block_scores[:batch], ws.k_blocks, out=ws.top_blocks[:batch],
-                impl=ws.topk_impl, radix_bits=ws.topk_radix_bits)))
+                impl=ws.topk_impl, radix_bits=ws.block_topk_radix_bits)))
     if ws.k_tokens:
         cand = ws.top_blocks[:batch] if ws.k_blocks else None
         # as select_slots_batched: the label cache (queries read at its channels), or the keys'
@@ -620,7 +622,7 @@ def run_check(args) -> bool:
                 ws = SparseDecodeWorkspace(
                     len(lens), HQ, HKV, HEAD_DIM, params, pb.max_blocks, "cuda", torch.bfloat16,
                     fuse_assemble=kw.get("fuse_assemble", True),
-                    topk_radix_bits=kw.get("topk_radix_bits", 8),
+                    topk_radix_bits=kw.get("topk_radix_bits"),
                     block_score_precision=kw.get("block_score_precision"))
                 other = select_slots_batched(*select_args, kw.get("kmin", pb.kmin),
                                              kw.get("kmax", pb.kmax), params, channels=channels,

@@ -87,6 +87,11 @@ CONFIGS["sglang_ext_fi_fp8s"] = CONFIGS["sglang_ext_fi_fp8"] + ["--sparse-summar
 FP8_KV = ["--kv-cache-dtype", "fp8_e4m3"]
 CONFIGS["flashinfer_fp8kv"] = CONFIGS["flashinfer"] + FP8_KV
 CONFIGS["sglang_ext_fi_fp8s_fp8kv"] = CONFIGS["sglang_ext_fi_fp8s"] + FP8_KV
+# the same with both top-k at 8-bit digits (the widths before the per-stage defaults): a control
+CONFIGS["sglang_ext_fi_fp8s_fp8kv_radix8"] = CONFIGS["sglang_ext_fi_fp8s_fp8kv"]
+# Environment a configuration's server gets beside its flags (shown in its rows)
+CONFIG_ENV: dict[str, dict[str, str]] = {
+    "sglang_ext_fi_fp8s_fp8kv_radix8": {"SGLANG_EXT_TOPK_RADIX_BITS": "8,8"}}
 # AsyncTLS's block filter one step ahead on a side stream, beside the GEMMs
 CONFIGS["sglang_ext_fi_async"] = CONFIGS["sglang_ext_fi"] + ["--sparse-block-filter", "async"]
 # the tier with FlashInfer's prefill (SGLang's triton extend takes ~40 s per 128k prompt)
@@ -141,10 +146,14 @@ def launch(model: str, tokenizer: str, args: list[str], port: int, context_len: 
 DECODE_ONLY_FLAGS = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "fake"]
 
 
-def server_env(args: argparse.Namespace) -> dict[str, str]:
-    """Environment every server gets beside this process's (SGLANG_EXT_SYNTHETIC_KV set in
-    it wins, e.g. ``off`` to decode over the zeroed pool)."""
-    return {SYNTHETIC_KV: os.environ.get(SYNTHETIC_KV, "random")} if args.decode_only else {}
+def server_env(args: argparse.Namespace, name: Optional[str] = None) -> dict[str, str]:
+    """Environment a configuration's server gets beside this process's: its CONFIG_ENV, and
+    for a decode-only run SGLANG_EXT_SYNTHETIC_KV=random (set in this process's environment,
+    that wins, e.g. ``off`` to decode over the zeroed pool)."""
+    env = dict(CONFIG_ENV.get(name, {})) if name else {}
+    if args.decode_only:
+        env[SYNTHETIC_KV] = os.environ.get(SYNTHETIC_KV, "random")
+    return env
 
 
 def server_extra(args: argparse.Namespace) -> list[str]:
@@ -821,7 +830,7 @@ def main() -> int:
                 load[n] = bench_load(args, f.read(), n)
         else:
             proc = launch(args.model, args.tokenizer, flags, args.port, context_len,
-                          log_path, extra, server_env(args))
+                          log_path, extra, server_env(args, name))
             try:
                 t0 = time.time()
                 wait_healthy(proc, args.port, args.startup_timeout, log_path,
@@ -885,8 +894,8 @@ def main() -> int:
                 **tier_traffic(flags, stats.get("tier_stats")),
                 **({"decode_profile": profiles[n]} if n in profiles else {}),
                 **({"bench_cut": True} if result.get("bench_cut") else {}),
-                **({"decode_only": True, "synthetic_kv": server_env(args)[
-                    SYNTHETIC_KV]} if args.decode_only else {}),
+                **({"decode_only": True} if args.decode_only else {}),
+                **({"server_env": server_env(args, name)} if server_env(args, name) else {}),
             })
             print(json.dumps(rows[-1]), flush=True)
         # what has been measured so far survives a run cut by the time box

@@ -80,6 +80,15 @@ ASSEMBLE_TILE = 1024
 # scatter variant takes 166 (one program per SM, so a batch's 160+ rows run in two waves).
 # Capped, ptxas spills nothing (sm_90, cuobjdump --dump-resource-usage).
 TOPK_ASSEMBLE_MAXNREG = 128
+# Digit widths of the two radix selects (kernels/topk.py). On the H200 at 10 requests x 128k,
+# block 32, continuous scores (sparse_attention_h200_fp8_summaries_128k.json, --stages topk):
+# the block top-k (5,138 blocks of a 164k grid, 16 warps) 20.2 us per layer at 7 bits against
+# 23.1 at 8; the token top-k (4,096 candidates, 8 warps) 13.8 us at 6 bits against 15.5.
+# Fewer bits are more passes, which a row of tied scores runs to the end (SGLang's dummy
+# weights, whose keys round to zero labels, or a decode over a zeroed pool): there 8 bits win
+# (SGLANG_EXT_TOPK_RADIX_BITS=8,8 restores them).
+BLOCK_TOPK_RADIX_BITS = 7
+TOKEN_TOPK_RADIX_BITS = 6
 # How the selected part of the slot list is read back from the top-k results.
 _MODE_NONE = 0  # nothing selected (n_sel == 0, or quest with n_sel < bs)
 _MODE_BLOCKS = 1  # quest: top block ids; slot j -> block top[j // bs], offset j % bs
@@ -359,8 +368,9 @@ class SparseDecodeWorkspace:
     :func:`sparse_decode_batched` is a view of ``self.out``: it is overwritten by the next call.
     ``max_blocks`` (static) must cover the longest request: ``ceil(max_context / block_size)``
     (blocks past it are never scored). ``topk_impl`` ("triton" / "torch"),
-    ``topk_radix_bits`` and ``block_score_precision`` pick the variants of :mod:`topk` and
-    :mod:`block_scores`. ``fuse_assemble`` (Triton top-k only) runs the last top-k and the
+    ``topk_radix_bits`` (one digit width for both top-k, or a ``(block, token)`` pair; default
+    ``BLOCK_TOPK_RADIX_BITS`` / ``TOKEN_TOPK_RADIX_BITS``) and ``block_score_precision`` pick
+    the variants of :mod:`topk` and :mod:`block_scores`. ``fuse_assemble`` (Triton top-k only) runs the last top-k and the
     slot assembly as one kernel (one launch less per step); False keeps them separate.
     ``assemble_tile``: slots the fused kernel assembles per pass (default ``ASSEMBLE_TILE``;
     each pass is one chain of dependent loads, winner -> candidate block -> req_to_token).
@@ -385,7 +395,7 @@ class SparseDecodeWorkspace:
         num_splits: int | None = None,
         topk_impl: str = "triton",
         block_score_precision: str | None = None,
-        topk_radix_bits: int = 8,
+        topk_radix_bits: int | tuple[int, int] | None = None,
         fuse_assemble: bool = True,
         assemble_tile: int = ASSEMBLE_TILE,
         scatter_selected: bool = True,
@@ -403,7 +413,11 @@ class SparseDecodeWorkspace:
         self.num_splits = num_splits
         self.topk_impl = topk_impl
         self.block_score_precision = block_score_precision
-        self.topk_radix_bits = topk_radix_bits
+        if topk_radix_bits is None:
+            topk_radix_bits = (BLOCK_TOPK_RADIX_BITS, TOKEN_TOPK_RADIX_BITS)
+        elif isinstance(topk_radix_bits, int):
+            topk_radix_bits = (topk_radix_bits, topk_radix_bits)
+        self.block_topk_radix_bits, self.token_topk_radix_bits = topk_radix_bits
         self.fuse_assemble = fuse_assemble and topk_impl == "triton"
         if assemble_tile < 16 or assemble_tile & (assemble_tile - 1):
             raise ValueError(f"assemble_tile must be a power of two >= 16, got {assemble_tile}")
@@ -582,14 +596,14 @@ def select_slots_batched(
     # The fused top-k scatters the winners' slots (and positions) that the token scoring left.
     scatter = ws.scatter_selected and ws.k_tokens > 0
 
-    def run_topk(scores, k, out, last, k_rows, n_rows=None):
+    def run_topk(scores, k, out, last, bits, k_rows, n_rows=None):
         nonlocal final
         # The tier needs the block filter's result before the assembly: no fusion then.
         if last and ws.fuse_assemble and not (tiered and ws.mode == _MODE_BLOCKS):
-            final = (scores, k, out, k_rows, n_rows)
+            final = (scores, k, bits, k_rows, n_rows)
             return out
         return topk_masked(scores, k, out=out, impl=ws.topk_impl,
-                           radix_bits=ws.topk_radix_bits, k_rows=k_rows, n_rows=n_rows)
+                           radix_bits=bits, k_rows=k_rows, n_rows=n_rows)
 
     if candidates is not None:
         top = cand = candidates
@@ -605,7 +619,7 @@ def select_slots_batched(
                                          ws.fresh_block_scores[:batch],
                                          ws.admitted_blocks[:batch], impl=ws.topk_impl)
         top = cand = run_topk(scores, ws.k_blocks, ws.top_blocks[:batch], not ws.k_tokens,
-                              k_block_rows)
+                              ws.block_topk_radix_bits, k_block_rows)
         if locality is not None and params.locality_new_blocks:
             record_filter_batched(locality, top, req_pool_indices, seq_lens, params)
         if on_blocks is not None:
@@ -638,7 +652,8 @@ def select_slots_batched(
         )
         if on_token_scores is not None:
             on_token_scores(tok_scores, cand)
-        top = run_topk(tok_scores, ws.k_tokens, ws.top_tokens[:batch], True, k_token_rows,
+        top = run_topk(tok_scores, ws.k_tokens, ws.top_tokens[:batch], True,
+                       ws.token_topk_radix_bits, k_token_rows,
                        n_token_rows)
 
     slots = ws.slots[:batch]
@@ -664,7 +679,7 @@ def select_slots_batched(
             grid = (batch, num_kv_heads, triton.cdiv(params.budget, block))
             _assemble_slots_kernel[grid](*common, BLOCK=block, num_warps=4, **consts)
         else:
-            fscores, k, _, k_rows, n_rows = final
+            fscores, k, bits, k_rows, n_rows = final
             _topk_assemble_kernel[(batch, num_kv_heads)](
                 fscores, *common[:8], fscores.stride(0), fscores.stride(1), *common[8:],
                 K_ROWS=slots if k_rows is None else k_rows, HAS_K_ROWS=k_rows is not None,
@@ -673,7 +688,7 @@ def select_slots_batched(
                 CAND_SLOTS=ws.cand_slots if scatter else slots,
                 CAND_POS=ws.cand_positions if scatter else slots, SCATTER=scatter,
                 EARLY_EXIT=True, **consts,
-                **topk_launch_config(fscores.shape[-1], k, ws.topk_radix_bits),
+                **topk_launch_config(fscores.shape[-1], k, bits),
                 maxnreg=TOPK_ASSEMBLE_MAXNREG,
             )
         if locality is not None:
@@ -708,9 +723,9 @@ def select_blocks_batched(
     scores = _block_scores(q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, ws)
     if out_table is not None:
         return topk_masked(scores, ws.k_blocks, out=out_table, impl=ws.topk_impl,
-                           radix_bits=ws.topk_radix_bits, out_rows=req_pool_indices)
+                           radix_bits=ws.block_topk_radix_bits, out_rows=req_pool_indices)
     return topk_masked(scores, ws.k_blocks, out=ws.top_blocks[:batch], impl=ws.topk_impl,
-                       radix_bits=ws.topk_radix_bits)
+                       radix_bits=ws.block_topk_radix_bits)
 
 
 def sparse_decode_batched(

@@ -554,7 +554,7 @@ def test_decode_only_reaches_every_server_and_bench_serving() -> None:
 def test_decode_only_servers_fill_their_pools_with_random_kv(monkeypatch) -> None:
     """The fake transfer writes no KV: decode-only servers start with SGLANG_EXT_SYNTHETIC_KV
     =random (their pools filled at start-up), unless this process's environment says otherwise;
-    other runs leave the environment alone."""
+    other runs leave the environment alone but for a configuration's own (CONFIG_ENV)."""
     from benchmarks.e2e_serving import build_parser, server_env
 
     decode_only = build_parser().parse_args(_run_sh_call("e2e", {"E2E_DECODE_ONLY": "1"}))
@@ -563,6 +563,11 @@ def test_decode_only_servers_fill_their_pools_with_random_kv(monkeypatch) -> Non
     assert server_env(build_parser().parse_args(_run_sh_call("e2e"))) == {}
     monkeypatch.setenv("SGLANG_EXT_SYNTHETIC_KV", "off")
     assert server_env(decode_only) == {"SGLANG_EXT_SYNTHETIC_KV": "off"}
+    # a configuration's own environment comes with it (the 8-bit top-k control)
+    assert server_env(decode_only, "sglang_ext_fi_fp8s_fp8kv_radix8") == {
+        "SGLANG_EXT_TOPK_RADIX_BITS": "8,8", "SGLANG_EXT_SYNTHETIC_KV": "off"}
+    assert server_env(decode_only, "sglang_ext_fi_fp8s_fp8kv") == {
+        "SGLANG_EXT_SYNTHETIC_KV": "off"}
 
 
 def test_mla_e2e_step_parses_and_its_configs_start_on_the_mla_model() -> None:

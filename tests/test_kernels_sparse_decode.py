@@ -253,8 +253,8 @@ def test_unfused_assembly_and_radix_bits(method):
     args = (q, pb.k_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.kmin, pb.kmax,
             params)
     default = select_slots_batched(*args).clone()
-    for kw in (dict(fuse_assemble=False), dict(topk_radix_bits=6),
-               dict(block_score_precision="tc"), dict(assemble_tile=16),
+    for kw in (dict(fuse_assemble=False), dict(topk_radix_bits=6), dict(topk_radix_bits=(8, 8)),
+               dict(topk_radix_bits=(5, 7)), dict(block_score_precision="tc"), dict(assemble_tile=16),
                dict(scatter_selected=False), dict(scatter_selected=False, assemble_tile=16)):
         if method == "ds" and "block_score_precision" in kw:
             continue  # no block scores

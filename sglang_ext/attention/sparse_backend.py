@@ -63,7 +63,24 @@ TIER_METRICS_EVERY = int(os.environ.get("SGLANG_EXT_TIER_METRICS_EVERY", "32"))
 LOCALITY_LOG_EVERY = 512  # (request, layer) selections between two locality log lines
 LOCALITY_READ_EVERY = 64  # decode steps between two reads of the CUDA locality γ counters
 GUARD_REPORT_EVERY = 128  # decode steps between two reads of the CUDA guard's counters
+TOPK_RADIX_BITS_ENV = "SGLANG_EXT_TOPK_RADIX_BITS"
 
+
+def topk_radix_bits_override() -> Optional[tuple[int, int]]:
+    """``SGLANG_EXT_TOPK_RADIX_BITS=BLOCK,TOKEN`` (each 5..8): the digit widths of the block and
+    the token top-k instead of the measured defaults (kernels/sparse_decode.py, e.g. ``8,8`` for
+    rows of tied scores); unset: None. A bad value stops start-up in one line."""
+    text = os.environ.get(TOPK_RADIX_BITS_ENV, "")
+    if not text:
+        return None
+    try:
+        bits = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        bits = ()
+    if len(bits) != 2 or not all(5 <= b <= 8 for b in bits):
+        raise SystemExit(f"sglang_ext: {TOPK_RADIX_BITS_ENV}={text!r} is not BLOCK,TOKEN digit "
+                         "widths, each in 5..8")
+    return bits  # type: ignore[return-value]
 
 
 def _kv_write_scales(layer: Any) -> tuple[Any, ...]:
@@ -193,6 +210,7 @@ class SparseDecodeBackend(AttentionBackend):
         # whether decode writes KV, summaries and labels in one launch (fused_write_pool;
         # decided at the first decode step, once the pool and the side buffers exist)
         self._fused_write_pool: Optional[bool] = None
+        self._topk_radix_bits = topk_radix_bits_override()
         self._workspaces: list[Any] = []
         # The CPU tier (--sparse-tier): KV addressed through its pool's homes and page maps.
         self.tiered: Optional[TieredPool] = (
@@ -919,6 +937,7 @@ class SparseDecodeBackend(AttentionBackend):
             max_blocks=-(-self.req_to_token_pool.req_to_token.shape[1] // self.config.block_size),
             device=self.device,
             dtype=self.model_runner.dtype,
+            topk_radix_bits=self._topk_radix_bits,
         )
         self._workspaces.append(workspace)
         return workspace
