@@ -642,14 +642,17 @@ def merge_calls(call_paths: list[str], results_path: str, plot_path: str) -> int
     ``results_path`` (rows of the same backend, length, TP, model and commit replaced) and
     redraw its plots. Each call's speedups were computed in that call, against its own
     flashinfer row; a row without its own ``dummy_weights`` gets its call's. The results
-    file's top-level fields (its note) stay."""
+    file's top-level fields (its note) stay; a file not there yet starts with the first call's."""
     rows: list[dict[str, Any]] = []
+    meta: dict[str, Any] = {}
     for path in call_paths:
         with open(path) as f:
             call = json.load(f)
         rows += [{"dummy_weights": call.get("dummy_weights", "sglang"), **r} for r in call["rows"]]
-    with open(results_path) as f:
-        meta = {k: v for k, v in json.load(f).items() if k != "rows"}
+        meta = meta or {k: v for k, v in call.items() if k != "rows"}  # a new file: the first call's
+    if os.path.exists(results_path):
+        with open(results_path) as f:
+            meta = {k: v for k, v in json.load(f).items() if k != "rows"}
     all_rows = merge_rows(results_path, rows)
     locality_vs_two_level(all_rows)
     same_kv_from_other_calls(all_rows)
