@@ -104,6 +104,13 @@ def test_merge_puts_device_calls_rows_into_the_results_file(tmp_path: Path, monk
         ("a", "flashinfer", None), ("b", "flashinfer", "scaled"), ("b", "sglang_ext_fi", "sglang")]
     assert E.main() == 0  # merging the same call again replaces its rows
     assert len(json.loads(repo.read_text())["rows"]) == 3
+    # a results name not there yet starts a file of its own, headed by the call's fields
+    monkeypatch.setattr(sys, "argv", ["e2e_serving.py", "--out", str(tmp_path), "--merge",
+                                      str(call), "--results-name", "e2e_h200_decode_only"])
+    assert E.main() == 0
+    alone = json.loads((tmp_path / "e2e_h200_decode_only.json").read_text())
+    assert alone["commit"] == "b" and len(alone["rows"]) == 2
+    assert drawn[-1] == "e2e_h200_decode_only.png"
 
 
 def test_merge_gives_an_fp8_kv_row_its_same_cache_ratio_from_another_call(
