@@ -204,8 +204,12 @@ def server_log_stats(log_text: str) -> dict[str, int]:
     running = [int(n) for n in re.findall(r"#running-req: (\d+)", log_text)]
     # SGLang retracts running requests when its KV pool runs out mid-decode (a warning line)
     retracted = re.findall(r"Retract requests\. #retracted_reqs: (\d+)", log_text)
-    decode = [float(t) for t in re.findall(
-        r"Decode batch, .*gen throughput \(token/s\): ([\d.]+)", log_text)]
+    decode_lines = [(int(n), float(t)) for n, t in re.findall(
+        r"Decode batch, #running-req: (\d+),.*gen throughput \(token/s\): ([\d.]+)", log_text)]
+    decode = [t for _, t in decode_lines]
+    by_running: dict[str, float] = {}
+    for n, t in decode_lines:
+        by_running[str(n)] = max(t, by_running.get(str(n), 0.0))
     return {
         "max_total_num_tokens": int(capacity[-1]) if capacity else None,
         # per rank: the device KV pool SGLang allocated and the pinned host store of the tier,
@@ -222,6 +226,9 @@ def server_log_stats(log_text: str) -> dict[str, int]:
         # includes: the best of SGLang's decode log intervals (one line per
         # --decode-log-interval steps, 40 by default, each averaged over its interval)
         "decode_tok_s": max(decode) if decode else None,
+        # the best interval per running count (a line counts the requests running at its end):
+        # runs whose requests arrive over seconds are compared at equal batch sizes
+        "decode_tok_s_by_running": dict(sorted(by_running.items(), key=lambda kv: int(kv[0]))),
         "server_prefill_tokens": sum(int(m) for m in re.findall(r"#new-token: (\d+)", log_text)),
         "server_decode_log_lines": log_text.count("Decode batch"),
     }

@@ -246,10 +246,16 @@ def test_decode_throughput_and_running_requests_come_from_the_decode_log_lines()
         "gen throughput (token/s): 183.25, #queue-req: 0",
         "[t] Decode batch, #running-req: 4, #token: 9, token usage: 0.79, cuda graph: True, "
         "gen throughput (token/s): 150.00, #queue-req: 0",
+        "[t] Decode batch, #running-req: 4, #token: 9, token usage: 0.79, cuda graph: True, "
+        "gen throughput (token/s): 149.00, #queue-req: 0",
     ])
     stats = server_log_stats(log)
     assert stats["server_max_running"] == 5
     assert stats["decode_tok_s"] == 183.25
+    # the best interval at each batch size, in order of size
+    assert list(stats["decode_tok_s_by_running"].items()) == [
+        ("3", 12.5), ("4", 150.0), ("5", 183.25)]
+    assert server_log_stats("no decode yet")["decode_tok_s_by_running"] == {}
     assert stats["server_retracted_requests"] == 0
     assert server_log_stats("no decode yet")["decode_tok_s"] is None
     retracts = ("[t] KV cache pool is full. Retract requests. #retracted_reqs: 2, "
