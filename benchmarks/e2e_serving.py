@@ -817,6 +817,7 @@ def main() -> int:
         bench_paths = {n: os.path.join(args.out, f"bench_{name}.jsonl" if len(lengths) == 1
                                        else f"bench_{name}_{n}.jsonl") for n in lengths}
         flags = ours_flags(name, args.block_size, label_config)
+        env = server_env(args, name)
         results: dict[int, dict[str, Any]] = {}
         spans: dict[int, tuple[int, int]] = {}  # each length's span of the server log
         load: dict[int, tuple[int, int]] = {}  # each length's (prompts, concurrency)
@@ -840,7 +841,7 @@ def main() -> int:
                 load[n] = bench_load(args, f.read(), n)
         else:
             proc = launch(args.model, args.tokenizer, flags, args.port, context_len,
-                          log_path, extra, server_env(args, name))
+                          log_path, extra, env)
             try:
                 t0 = time.time()
                 wait_healthy(proc, args.port, args.startup_timeout, log_path,
@@ -905,7 +906,7 @@ def main() -> int:
                 **({"decode_profile": profiles[n]} if n in profiles else {}),
                 **({"bench_cut": True} if result.get("bench_cut") else {}),
                 **({"decode_only": True} if args.decode_only else {}),
-                **({"server_env": server_env(args, name)} if server_env(args, name) else {}),
+                **({"server_env": env} if env else {}),
             })
             print(json.dumps(rows[-1]), flush=True)
         # what has been measured so far survives a run cut by the time box

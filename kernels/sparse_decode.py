@@ -370,8 +370,9 @@ class SparseDecodeWorkspace:
     (blocks past it are never scored). ``topk_impl`` ("triton" / "torch"),
     ``topk_radix_bits`` (one digit width for both top-k, or a ``(block, token)`` pair; default
     ``BLOCK_TOPK_RADIX_BITS`` / ``TOKEN_TOPK_RADIX_BITS``) and ``block_score_precision`` pick
-    the variants of :mod:`topk` and :mod:`block_scores`. ``fuse_assemble`` (Triton top-k only) runs the last top-k and the
-    slot assembly as one kernel (one launch less per step); False keeps them separate.
+    the variants of :mod:`topk` and :mod:`block_scores`. ``fuse_assemble`` (Triton top-k only)
+    runs the last top-k and the slot assembly as one kernel (one launch less per step); False
+    keeps them separate.
     ``assemble_tile``: slots the fused kernel assembles per pass (default ``ASSEMBLE_TILE``;
     each pass is one chain of dependent loads, winner -> candidate block -> req_to_token).
     ``scatter_selected`` (two_level with the fused kernel): the token scoring also writes each

@@ -56,6 +56,8 @@ def fill_synthetic_kv(backend: Any, seed: int = SEED, chunk_tokens: int = CHUNK_
     """Fill every slot of the backend's KV pool with random keys and values, and fold the keys
     into its page summaries and label cache (when it keeps them). Returns the slots filled per
     layer. Chunks start on page boundaries, so each page's summary is rebuilt from its keys."""
+    from sglang_ext.kernels.label_cache import update_label_cache
+
     reason = unsupported_reason(backend)
     if reason is not None:
         raise ValueError(f"sglang_ext: {ENV}=random does not support {reason}")
@@ -85,8 +87,6 @@ def fill_synthetic_kv(backend: Any, seed: int = SEED, chunk_tokens: int = CHUNK_
             if backend.summaries is not None:
                 backend.summaries.update(index, stored, loc)
             if backend.labels is not None:
-                from sglang_ext.kernels.label_cache import update_label_cache
-
                 update_label_cache(backend.labels[index], stored, loc,
                                    backend.label_channels[layer_id])
     if torch.device(backend.device).type == "cuda":
