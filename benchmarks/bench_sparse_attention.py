@@ -78,6 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="block scores: how the summaries are stored, comma-separated: page "
                         "([pages, Hkv, D], a page's heads adjacent) and/or head ([Hkv, pages, "
                         "D], a head's consecutive pages adjacent)")
+    p.add_argument("--score-precisions", default="auto",
+                   help="block scores: how the bound is computed, comma-separated: auto (what "
+                        "the kernel picks: tc for bf16, tc_fp16 for fp8 summaries), tc, "
+                        "tc_fp16, fma, ieee")
     p.add_argument("--tiles-per-program", default="1",
                    help="block scores: consecutive tiles per program (a pipelined loop)")
     p.add_argument("--topk-radix-bits", default="6,7,8",
@@ -117,12 +121,12 @@ def attention_variants(args: argparse.Namespace) -> list[dict]:
 def block_score_variants(args: argparse.Namespace) -> list[dict]:
     return [dict(block_nb=n, num_warps=w, num_stages=st, heads_per_program=h,
                  heads_fastest=bool(f), tiles_per_program=t, skip_dead_tiles=bool(sd),
-                 summary_layout=lay)
-            for n, w, st, h, f, t, sd, lay in itertools.product(
+                 summary_layout=lay, precision=None if prec == "auto" else prec)
+            for n, w, st, h, f, t, sd, lay, prec in itertools.product(
                 _ints(args.block_nb), _ints(args.warps), _ints(args.score_stages),
                 _ints(args.heads_per_program), _ints(args.heads_fastest),
                 _ints(args.tiles_per_program), _ints(args.skip_dead_tiles),
-                args.summary_layouts.split(","))]
+                args.summary_layouts.split(","), args.score_precisions.split(","))]
 
 
 def _timed_rows(timer, stage: str, batch: int, variants: list[dict], build, floor_ms: float,
@@ -204,7 +208,7 @@ def run_block_scores(torch, args, timer, failures: list[str]) -> list[dict]:
                        heads_per_program=bsc.HEADS_PER_PROGRAM, heads_fastest=bsc.HEADS_FASTEST,
                        tiles_per_program=bsc.default_tiles_per_program(
                            batch, HKV // bsc.HEADS_PER_PROGRAM, -(-max_blocks // nb), "cuda"),
-                       skip_dead_tiles=True, summary_layout="page")
+                       skip_dead_tiles=True, summary_layout="page", precision=None)
         pages = batch * -(-ctx // bs)
         kmin = torch.randn(pages, HKV, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         kmax = kmin + torch.rand_like(kmin)
@@ -238,7 +242,7 @@ def run_block_scores(torch, args, timer, failures: list[str]) -> list[dict]:
                 num_stages=var["num_stages"], heads_per_program=var["heads_per_program"],
                 heads_fastest=var["heads_fastest"],
                 tiles_per_program=var["tiles_per_program"],
-                skip_dead_tiles=var["skip_dead_tiles"])
+                skip_dead_tiles=var["skip_dead_tiles"], precision=var["precision"])
 
         rows += _timed_rows(timer, "block_scores", batch, block_score_variants(args), build,
                             floor_ms, default, failures)
@@ -359,7 +363,8 @@ def variant_name(row: dict) -> str:
                 f"h{row.get('heads_per_program', 1)}{' hfast' if row.get('heads_fastest') else ''}"
                 f" t{row.get('tiles_per_program', 1)}"
                 f"{' head-major' if row.get('summary_layout') == 'head' else ''}"
-                f"{' whole-grid' if not row.get('skip_dead_tiles', False) else ''}")
+                f"{' whole-grid' if not row.get('skip_dead_tiles', False) else ''}"
+                f"{' ' + row['precision'] if row.get('precision') else ''}")
     return (f"{row['programs_per_sm']}/SM n{row.get('block_n', 64)} w{row.get('num_warps', 4)} "
             f"s{row.get('num_stages', 2)}{' earlyV' if row['early_v'] else ''}"
             f"{' masked' if not row.get('skip_pad_tiles', True) else ''}")

@@ -65,6 +65,8 @@ TC_BLOCK_NB_FP8 = 64
 TC_NUM_STAGES = 3
 MAX_TILES_PER_PROGRAM = 4
 MIN_PROGRAMS_PER_SM = 4
+# the largest finite fp16 value: "tc_fp16" clamps q to it before rounding q to fp16
+FP16_MAX = tl.constexpr(65504.0)
 
 
 def tc_block_nb(summary_dtype: torch.dtype) -> int:
@@ -87,15 +89,53 @@ def default_tiles_per_program(batch: int, head_programs: int, block_tiles: int,
 
 
 @triton.jit
+def _q_operands(
+    Q, b, g, c, stride_qb, stride_qh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """q+ and q- of kv head g's query heads over head-dim chunk c: ``[GROUP_PAD, BLOCK_D]``
+    each (rows past the group zero), in the GEMMs' operand dtype.
+
+    "tc": q's own 16-bit dtype (q+ / q- are exact in it, every product is exact in fp32 and
+    the GEMMs accumulate in fp32). "tc_fp16": q rounded to fp16 (exact for |q| in fp16's
+    normal range; clamped to its finite range), so that fp8 summaries widen with one cvt per
+    two values (e4m3 -> bf16 goes through fp16 and adds a cvt and register moves per value: on
+    the H200 the 128k block scores issue about as many instructions as their bytes take to
+    arrive). Under Triton's CPU interpreter, which compares and multiplies bf16 as raw integer
+    bit patterns, the same (exact) values widened to fp32. "ieee" / "tf32x3": fp32."""
+    d = c * BLOCK_D + tl.arange(0, BLOCK_D)
+    hh = tl.arange(0, GROUP_PAD)
+    q = tl.load(
+        Q + b.to(tl.int64) * stride_qb + (g * GROUP + hh[:, None]) * stride_qh + d[None, :],
+        mask=(hh[:, None] < GROUP) & (d[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    if PRECISION == "tc_fp16":
+        q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
+    if INTERPRET or (PRECISION != "tc" and PRECISION != "tc_fp16"):
+        q32 = q.to(tl.float32)
+        q_pos, q_neg = tl.maximum(q32, 0.0), tl.minimum(q32, 0.0)
+    else:
+        zero = tl.zeros_like(q)
+        q_pos = tl.where(q > zero, q, zero)  # stays 16-bit, exact
+        q_neg = tl.where(q < zero, q, zero)
+    return q_pos, q_neg
+
+
+@triton.jit
 def _score_tile(
-    Q, KMIN, KMAX, REQ_TO_TOKEN, OUT, tile, b, g0, row, hi, max_blocks, sink,
+    Q, KMIN, KMAX, REQ_TO_TOKEN, OUT, tile, b, g0, row, hi, max_blocks, sink, q_pos0, q_neg0,
     stride_qb, stride_qh, stride_sp, stride_sh, stride_r2t, stride_ob, stride_oh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
     BLOCK_NB: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr,
 ):
-    """The scores of one tile of BLOCK_NB blocks of request b, kv heads g0.. (written to OUT)."""
+    """The scores of one tile of BLOCK_NB blocks of request b, kv heads g0.. (written to OUT).
+    ``q_pos0`` / ``q_neg0``: :func:`_q_operands` of head g0, chunk 0, which the program
+    computes once for all its tiles (other heads and chunks are loaded per tile; unused by
+    "fma")."""
     j = tile * BLOCK_NB + tl.arange(0, BLOCK_NB)
     # block j overlaps the (non-empty) middle
     valid = ((j < max_blocks) & (j * BLOCK_SIZE < hi) & ((j + 1) * BLOCK_SIZE > sink)
@@ -110,11 +150,11 @@ def _score_tile(
     for gi in tl.static_range(HEADS_PER_PROGRAM):
         g = g0 + gi
         d = tl.arange(0, BLOCK_D)
-        q_base = Q + b.to(tl.int64) * stride_qb + (g * GROUP) * stride_qh
         hh = tl.arange(0, GROUP_PAD)
         hmask = hh < GROUP
 
         if PRECISION == "fma":
+            q_base = Q + b.to(tl.int64) * stride_qb + (g * GROUP) * stride_qh
             dmask = d < HEAD_DIM
             summary = page[:, None] * stride_sp + g * stride_sh + d[None, :]
             smask = valid[:, None] & dmask[None, :]
@@ -138,45 +178,27 @@ def _score_tile(
             bound = tl.zeros([GROUP_PAD, BLOCK_NB], tl.float32)
             for c in tl.static_range(D_CHUNKS):
                 dc = c * BLOCK_D + d
-                dmask = dc < HEAD_DIM
                 summary = page[:, None] * stride_sp + g * stride_sh + dc[None, :]
-                smask = valid[:, None] & dmask[None, :]
+                smask = valid[:, None] & (dc < HEAD_DIM)[None, :]
                 # [NB, BLOCK_D], shared by the group, in the summaries' dtype
                 kmax = tl.load(KMAX + summary, mask=smask, other=0.0)
                 kmin = tl.load(KMIN + summary, mask=smask, other=0.0)
-                q = tl.load(
-                    q_base + hh[:, None] * stride_qh + dc[None, :],
-                    mask=hmask[:, None] & dmask[None, :],
-                    other=0.0,
-                )
-                if PRECISION == "tc":
-                    # tensor cores on the 16-bit operands as stored: q and the summaries
-                    # are both bf16 (or both fp16), q+ / q- are exact in that dtype, every
-                    # product is exact in fp32 and the GEMMs accumulate in fp32. fp8
-                    # summaries widen to q's dtype in registers (exact): half the bytes read.
-                    if kmax.dtype != q.dtype:
-                        kmax = kmax.to(q.dtype)
-                        kmin = kmin.to(q.dtype)
-                    if INTERPRET:
-                        # Triton's CPU interpreter compares and multiplies bf16 as raw
-                        # integer bit patterns: the same (exact) values, widened to fp32
-                        q32 = q.to(tl.float32)
-                        q_pos, q_neg = tl.maximum(q32, 0.0), tl.minimum(q32, 0.0)
-                        kmax, kmin = kmax.to(tl.float32), kmin.to(tl.float32)
-                    else:
-                        zero = tl.zeros_like(q)
-                        q_pos = tl.where(q > zero, q, zero)  # stays 16-bit, exact
-                        q_neg = tl.where(q < zero, q, zero)
+                if gi == 0 and c == 0:
+                    q_pos, q_neg = q_pos0, q_neg0
+                else:
+                    q_pos, q_neg = _q_operands(Q, b, g, c, stride_qb, stride_qh, GROUP,
+                                               GROUP_PAD, HEAD_DIM, BLOCK_D, PRECISION,
+                                               INTERPRET)
+                # the summaries widen to the operands' dtype in registers (fp8 -> bf16 / fp16
+                # is exact: half the bytes of 16-bit summaries read)
+                kmax = kmax.to(q_pos.dtype)
+                kmin = kmin.to(q_pos.dtype)
+                if PRECISION == "tc" or PRECISION == "tc_fp16":
                     bound = tl.dot(q_pos, tl.trans(kmax), acc=bound)
                     bound = tl.dot(q_neg, tl.trans(kmin), acc=bound)
                 else:
-                    q = q.to(tl.float32)
-                    kmax = kmax.to(tl.float32)
-                    kmin = kmin.to(tl.float32)
-                    bound = tl.dot(tl.maximum(q, 0.0), tl.trans(kmax), acc=bound,
-                                   input_precision=PRECISION)
-                    bound = tl.dot(tl.minimum(q, 0.0), tl.trans(kmin), acc=bound,
-                                   input_precision=PRECISION)
+                    bound = tl.dot(q_pos, tl.trans(kmax), acc=bound, input_precision=PRECISION)
+                    bound = tl.dot(q_neg, tl.trans(kmin), acc=bound, input_precision=PRECISION)
             bound = tl.where(hmask[:, None], bound, float("-inf"))  # [GP, NB]
             score = tl.max(bound, axis=0)
         score = tl.where(valid, score, float("-inf"))
@@ -227,6 +249,13 @@ def _quest_block_scores_kernel(
     row = tl.load(REQ_POOL_INDICES + b).to(tl.int64)
     seq_len = tl.load(SEQ_LENS + b).to(tl.int64)
     hi = seq_len - window  # the middle is [sink, hi)
+    # q+ / q- of the first head and chunk, once for all the program's tiles (per tile they
+    # cost a load, a shuffle into the MMA layout and the split: ~10% of the loop's instructions)
+    if PRECISION == "fma":
+        q_pos0, q_neg0 = 0.0, 0.0
+    else:
+        q_pos0, q_neg0 = _q_operands(Q, b, g0, 0, stride_qb, stride_qh, GROUP, GROUP_PAD,
+                                     HEAD_DIM, BLOCK_D, PRECISION, INTERPRET)
 
     # Consecutive tiles of one row per program: a loop the compiler can software-pipeline
     # (the next tile's page lookups and summary loads in flight beside this tile's GEMMs);
@@ -244,7 +273,7 @@ def _quest_block_scores_kernel(
             tl.maximum(tl.cdiv(live_blocks - tile0 * BLOCK_NB, BLOCK_NB), 0), TILES_PER_PROGRAM)
         for ti in range(0, live_tiles):
             _score_tile(Q, KMIN, KMAX, REQ_TO_TOKEN, OUT, tile0 + ti, b, g0, row, hi,
-                        max_blocks, sink, stride_qb, stride_qh, stride_sp, stride_sh,
+                        max_blocks, sink, q_pos0, q_neg0, stride_qb, stride_qh, stride_sp, stride_sh,
                         stride_r2t, stride_ob, stride_oh, BLOCK_SIZE, GROUP, GROUP_PAD,
                         HEAD_DIM, BLOCK_D, D_CHUNKS, BLOCK_NB, PRECISION, INTERPRET,
                         HEADS_PER_PROGRAM)
@@ -256,7 +285,7 @@ def _quest_block_scores_kernel(
     else:
         for ti in range(TILES_PER_PROGRAM):
             _score_tile(Q, KMIN, KMAX, REQ_TO_TOKEN, OUT, tile0 + ti, b, g0, row, hi,
-                        max_blocks, sink, stride_qb, stride_qh, stride_sp, stride_sh,
+                        max_blocks, sink, q_pos0, q_neg0, stride_qb, stride_qh, stride_sp, stride_sh,
                         stride_r2t, stride_ob, stride_oh, BLOCK_SIZE, GROUP, GROUP_PAD,
                         HEAD_DIM, BLOCK_D, D_CHUNKS, BLOCK_NB, PRECISION, INTERPRET,
                         HEADS_PER_PROGRAM)
@@ -296,9 +325,13 @@ def quest_block_scores_batched(
     tensor cores straight from the stored operands: needs q and the summaries in the same
     16-bit dtype; products are exact, sums are fp32 in the tensor cores' order, and it issues
     several times fewer instructions per summary byte than "fma", whose instruction count
-    rivals the bf16 summaries' bytes at large batch); None = "tc" on a GPU when q and the
-    summaries share a 16-bit dtype (the block scores as GEMMs: measured 5-15% faster per decode
-    step at 128k, see benchmarks/results/operator_h200*.json), otherwise "fma" for groups
+    rivals the bf16 summaries' bytes at large batch), or "tc_fp16" (fp8 or fp16 summaries
+    widened to fp16 and q rounded to fp16, clamped to its finite range: fp8 -> fp16 is one
+    conversion per two values where fp8 -> bf16 adds one per value and register moves, ~40%
+    fewer instructions per tile at Qwen3-8B shapes in the sm90 PTX); None = "tc" on a GPU
+    when q and the summaries share a 16-bit dtype, "tc_fp16" for fp8 summaries (the block
+    scores as GEMMs: measured 5-15% faster per decode step at 128k, see
+    benchmarks/results/operator_h200*.json), otherwise "fma" for groups
     smaller than 8 query heads of at most 256 dims and "ieee" for the others. ``block_nb``: blocks per program
     (default: :func:`tc_block_nb` for "tc", 64 for 2-byte summaries with "fma", otherwise 32);
     ``num_warps`` / ``num_stages``: the launch's (default: 4 warps for "tc" or small tiles, else
@@ -332,15 +365,20 @@ def quest_block_scores_batched(
         on_tensor_cores = (q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
                            and tc_operands)
         narrow = group < 8 and d_chunks == 1
-        precision = "tc" if on_tensor_cores else "fma" if narrow else "ieee"
-    if precision not in ("ieee", "tf32x3", "fma", "tc"):
-        raise ValueError(f"precision must be ieee, tf32x3, fma or tc, got {precision!r}")
+        precision = ("tc_fp16" if kmin.dtype == FP8_SUMMARIES else "tc") if on_tensor_cores \
+            else "fma" if narrow else "ieee"
+    if precision not in ("ieee", "tf32x3", "fma", "tc", "tc_fp16"):
+        raise ValueError(f"precision must be ieee, tf32x3, fma, tc or tc_fp16, got {precision!r}")
     if precision == "fma" and d_chunks > 1:
         raise ValueError(f"precision 'fma' holds the whole head dim in one tile: D={head_dim} is "
                          f"walked in chunks, use ieee, tf32x3 or tc")
     if precision == "tc" and not tc_operands:
         raise TypeError(f"precision 'tc' needs q and the summaries in one 16-bit dtype (or fp8 "
                         f"summaries), got {q.dtype} and {kmin.dtype}")
+    if precision == "tc_fp16" and not (q.dtype in (torch.bfloat16, torch.float16)
+                                       and kmin.dtype in (torch.float16, FP8_SUMMARIES)):
+        raise TypeError(f"precision 'tc_fp16' needs a 16-bit q and fp8 or fp16 summaries, got "
+                        f"{q.dtype} and {kmin.dtype}")
     if out is None:
         out = torch.empty(batch, num_kv_heads, max_blocks, dtype=torch.float32, device=q.device)
     if batch == 0 or max_blocks == 0:
@@ -349,9 +387,9 @@ def quest_block_scores_batched(
         # 16 KB of each summary tensor per program (the measured float32 configuration); for
         # 2-byte summaries with "fma" that also means fewer instructions per block (SASS: 120
         # vs 148 warp-instructions per block at 64 vs 32 blocks). Tensor cores: tc_block_nb.
-        block_nb = tc_block_nb(kmin.dtype) if precision == "tc" else \
+        block_nb = tc_block_nb(kmin.dtype) if precision in ("tc", "tc_fp16") else \
             64 if kmin.element_size() == 2 and precision == "fma" else 32
-    if num_stages is None and precision == "tc":
+    if num_stages is None and precision in ("tc", "tc_fp16"):
         num_stages = TC_NUM_STAGES
     block_nb = min(block_nb, max(16, triton.next_power_of_2(max_blocks)))
     if heads_per_program < 1 or num_kv_heads % heads_per_program:
@@ -395,7 +433,7 @@ def quest_block_scores_batched(
         HEADS_FASTEST=heads_fastest,
         TILES_PER_PROGRAM=tiles_per_program,
         SKIP_DEAD_TILES=skip_dead_tiles and os.environ.get("TRITON_INTERPRET") != "1",
-        num_warps=num_warps or (4 if precision == "tc" or block_nb * block_d < 4096 else 8),
+        num_warps=num_warps or (4 if precision in ("tc", "tc_fp16") or block_nb * block_d < 4096 else 8),
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
     return out

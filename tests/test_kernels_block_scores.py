@@ -123,7 +123,7 @@ def test_tensor_core_path():
         quest_block_scores_batched(qd.float(), dy.kmin, dy.kmax, *common, precision="tc")
 
 
-@pytest.mark.parametrize("precision", ["fma", "ieee", "tc"])
+@pytest.mark.parametrize("precision", ["fma", "ieee", "tc", "tc_fp16"])
 def test_fp8_summaries(precision):
     """fp8 summaries (min rounded down, max up) are read as stored: the scores of the reference
     on those values, and of the selection reference rounding the keys' block min/max alike;
@@ -138,8 +138,32 @@ def test_fp8_summaries(precision):
                           summary_dtype=torch.float8_e4m3fn)
     qd = random_values(gen, 3, 8, 32, dtype=torch.bfloat16, device=DEVICE, dyadic=True)
     common = (dy.req_to_token, dy.req_pool_indices, dy.seq_lens, 4, 3, 5, dy.max_blocks)
+    fma = quest_block_scores_batched(qd, dy.kmin, dy.kmax, *common, precision="fma")
     assert torch.equal(quest_block_scores_batched(qd, dy.kmin, dy.kmax, *common, precision="tc"),
-                       quest_block_scores_batched(qd, dy.kmin, dy.kmax, *common, precision="fma"))
+                       fma)
+    assert torch.equal(quest_block_scores_batched(qd, dy.kmin, dy.kmax, *common,
+                                                  precision="tc_fp16"), fma)
+
+
+def test_fp16_operands_clamp_q_and_refuse_bf16_summaries():
+    """"tc_fp16" rounds q to fp16: a q value past fp16's range scores as if clamped to
+    ±65504 (finite, not inf or nan); bf16 summaries (not exact in fp16) are refused."""
+    gen = case_generator("block_scores_fp16_operands")
+    lens = [45, 77]
+    pb = make_paged_batch(gen, lens, 2, 32, 4, dtype=torch.bfloat16, device=DEVICE,
+                          summary_dtype=torch.float8_e4m3fn)
+    q = random_values(gen, 2, 8, 32, dtype=torch.bfloat16, device=DEVICE)
+    q[0, 1, 3], q[1, 5, 0] = 1e6, -3e5
+    common = (pb.req_to_token, pb.req_pool_indices, pb.seq_lens, 4, 3, 5, pb.max_blocks)
+    got = quest_block_scores_batched(q, pb.kmin, pb.kmax, *common, precision="tc_fp16")
+    clamped = q.float().clamp(-65504, 65504).to(torch.float16).to(torch.bfloat16)
+    want = quest_block_scores_batched_ref(clamped, pb.kmin, pb.kmax, *common)
+    assert torch.equal(got.isfinite(), want.isfinite()) and not got.isnan().any()
+    finite = want.isfinite()
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-2)
+    bf16 = make_paged_batch(gen, lens, 2, 32, 4, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(TypeError, match="tc_fp16"):
+        quest_block_scores_batched(q, bf16.kmin, bf16.kmax, *common, precision="tc_fp16")
 
 
 @gpu
@@ -153,6 +177,9 @@ def test_gpu_fp8_summaries_real_shapes():
     q = random_values(gen, 3, 32, 128, dtype=torch.bfloat16, device="cuda")
     _check(pb, q, sink=16, window=64, rtol=1e-5, atol=1e-3 * math.sqrt(128),
            summary_dtype="fp8_e4m3")
+    # the bf16-operand tensor-core path: the same scores up to fp32 summation order
+    _check(pb, q, sink=16, window=64, rtol=1e-5, atol=1e-3 * math.sqrt(128),
+           summary_dtype="fp8_e4m3", precision="tc")
 
 
 @gpu
@@ -193,17 +220,19 @@ def _layouts_agree(pb, q, common, precision):
     return want
 
 
-@pytest.mark.parametrize("precision", ["fma", "tc"])
+@pytest.mark.parametrize("precision", ["fma", "tc", "tc_fp16"])
 def test_launch_layouts_give_the_same_scores(precision):
     """Several kv heads per program, the heads as the grid's fastest dimension, or several tiles
     per program change where each (request, kv head, tile) runs, not what it computes: the
     scores are bit-identical."""
     gen = case_generator("block_scores_layouts", precision)
-    pb = make_paged_batch(gen, [45, 77, 9], 4, 32, 4, dtype=torch.bfloat16, device=DEVICE)
+    fp8 = precision == "tc_fp16"  # fp16 operands take fp8 (or fp16) summaries
+    pb = make_paged_batch(gen, [45, 77, 9], 4, 32, 4, dtype=torch.bfloat16, device=DEVICE,
+                          **({"summary_dtype": torch.float8_e4m3fn} if fp8 else {}))
     q = random_values(gen, 3, 8, 32, dtype=torch.bfloat16, device=DEVICE)
     common = (pb.req_to_token, pb.req_pool_indices, pb.seq_lens, 4, 3, 5, pb.max_blocks)
     _layouts_agree(pb, q, common, precision)
-    _check(pb, q, 3, 5, precision=precision)
+    _check(pb, q, 3, 5, precision=precision, summary_dtype="fp8_e4m3" if fp8 else "auto")
     with pytest.raises(ValueError, match="must divide"):
         quest_block_scores_batched(q, pb.kmin, pb.kmax, *common, heads_per_program=3)
     with pytest.raises(ValueError, match="tiles_per_program"):
