@@ -102,13 +102,14 @@ def parse_args(argv=None):
     p.add_argument("--fuse-assemble", action=argparse.BooleanOptionalAction, default=True,
                    help="run the last top-k and the slot assembly as one kernel (default: on)")
     p.add_argument("--block-score-precision", default="auto",
-                   choices=["auto", "fma", "ieee", "tf32x3", "tc"],
-                   help="how Quest block scores are computed (see block_scores.py)")
+                   choices=["auto", "fma", "ieee", "tf32x3", "tc", "tc_fp16"],
+                   help="how Quest block scores are computed (see block_scores.py; tc_fp16: "
+                        "fp8 summaries only)")
     p.add_argument("--compare-block-score-precision", default="fma",
-                   choices=["none", "fma", "ieee", "tf32x3", "tc"],
+                   choices=["none", "fma", "ieee", "tf32x3", "tc", "tc_fp16"],
                    help="also time ours (full and select only) with this block-score precision "
                         "(default: fma, fp32 multiply-adds; auto is tc, the tensor-core GEMMs, "
-                        "for bf16; none: skip)")
+                        "for bf16 summaries, tc_fp16 for fp8 ones; none: skip)")
     p.add_argument("--fi-page-size", type=int, default=16, choices=[1, 16, 32, 64])
     p.add_argument("--fi-tensor-cores", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--triton-max-kv-splits", type=int, default=8,
@@ -823,7 +824,8 @@ def run_benchmark(args, device: str = "cuda") -> dict:
             other_precision = args.compare_block_score_precision
             if (other_precision not in ("none", args.block_score_precision)
                     and params.method != "ds"
-                    and (other_precision != "tc" or args.summary_dtype == "bf16")):
+                    and (other_precision != "tc" or args.summary_dtype in ("bf16", "fp8"))
+                    and (other_precision != "tc_fp16" or args.summary_dtype == "fp8")):
                 builders.append((f"ours_{other_precision}_scores",
                                  lambda: ours(args.topk_impl, precision=other_precision)))
                 builders.append((f"ours_{other_precision}_scores_select",

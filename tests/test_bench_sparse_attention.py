@@ -7,6 +7,7 @@ import torch
 from benchmarks.bench_sparse_attention import (
     attention_variants,
     best_by_case,
+    block_score_variants,
     parse_args,
     plot,
     two_level_selection,
@@ -57,6 +58,11 @@ def test_variant_grid_is_the_product_of_the_options():
     grid = attention_variants(args)
     assert len(grid) == 16 and len({tuple(sorted(v.items())) for v in grid}) == 16
     assert {v["skip_pad_tiles"] for v in grid} == {False, True}
+    scores = block_score_variants(parse_args(["--block-nb", "32,64", "--warps", "4",
+                                              "--score-stages", "3",
+                                              "--score-precisions", "auto,tc,tc_fp16"]))
+    assert len(scores) == 6 and {v["precision"] for v in scores} == {None, "tc", "tc_fp16"}
+    assert variant_name(dict(stage="block_scores", **scores[-1])).endswith(" tc_fp16")
 
 
 def test_plot_writes_one_panel_per_stage(tmp_path: Path):
