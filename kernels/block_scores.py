@@ -67,6 +67,8 @@ MAX_TILES_PER_PROGRAM = 4
 MIN_PROGRAMS_PER_SM = 4
 # the largest finite fp16 value: "tc_fp16" clamps q to it before rounding q to fp16
 FP16_MAX = tl.constexpr(65504.0)
+# the precisions whose GEMMs run on the tensor cores from 16-bit operands
+TENSOR_CORE_PRECISIONS = ("tc", "tc_fp16")
 
 
 def tc_block_nb(summary_dtype: torch.dtype) -> int:
@@ -100,10 +102,11 @@ def _q_operands(
     "tc": q's own 16-bit dtype (q+ / q- are exact in it, every product is exact in fp32 and
     the GEMMs accumulate in fp32). "tc_fp16": q rounded to fp16 (exact for |q| in fp16's
     normal range; clamped to its finite range), so that fp8 summaries widen with one cvt per
-    two values (e4m3 -> bf16 goes through fp16 and adds a cvt and register moves per value: on
-    the H200 the 128k block scores issue about as many instructions as their bytes take to
-    arrive). Under Triton's CPU interpreter, which compares and multiplies bf16 as raw integer
-    bit patterns, the same (exact) values widened to fp32. "ieee" / "tf32x3": fp32."""
+    two values (e4m3 -> bf16 goes through fp16 and adds a cvt and register moves per value;
+    measured 5% faster on the H200 at 10 x 128k: the kernel waits on its loads more than on
+    its instruction issue). Under Triton's CPU interpreter, which compares and multiplies
+    bf16 as raw integer bit patterns, the same (exact) values widened to fp32. "ieee" /
+    "tf32x3": fp32."""
     d = c * BLOCK_D + tl.arange(0, BLOCK_D)
     hh = tl.arange(0, GROUP_PAD)
     q = tl.load(
@@ -250,7 +253,7 @@ def _quest_block_scores_kernel(
     seq_len = tl.load(SEQ_LENS + b).to(tl.int64)
     hi = seq_len - window  # the middle is [sink, hi)
     # q+ / q- of the first head and chunk, once for all the program's tiles (per tile they
-    # cost a load, a shuffle into the MMA layout and the split: ~10% of the loop's instructions)
+    # cost a load, a shuffle into the MMA layout and the split)
     if PRECISION == "fma":
         q_pos0, q_neg0 = 0.0, 0.0
     else:
@@ -273,8 +276,8 @@ def _quest_block_scores_kernel(
             tl.maximum(tl.cdiv(live_blocks - tile0 * BLOCK_NB, BLOCK_NB), 0), TILES_PER_PROGRAM)
         for ti in range(0, live_tiles):
             _score_tile(Q, KMIN, KMAX, REQ_TO_TOKEN, OUT, tile0 + ti, b, g0, row, hi,
-                        max_blocks, sink, q_pos0, q_neg0, stride_qb, stride_qh, stride_sp, stride_sh,
-                        stride_r2t, stride_ob, stride_oh, BLOCK_SIZE, GROUP, GROUP_PAD,
+                        max_blocks, sink, q_pos0, q_neg0, stride_qb, stride_qh, stride_sp,
+                        stride_sh, stride_r2t, stride_ob, stride_oh, BLOCK_SIZE, GROUP, GROUP_PAD,
                         HEAD_DIM, BLOCK_D, D_CHUNKS, BLOCK_NB, PRECISION, INTERPRET,
                         HEADS_PER_PROGRAM)
         for ti in range(live_tiles, TILES_PER_PROGRAM):
@@ -285,8 +288,8 @@ def _quest_block_scores_kernel(
     else:
         for ti in range(TILES_PER_PROGRAM):
             _score_tile(Q, KMIN, KMAX, REQ_TO_TOKEN, OUT, tile0 + ti, b, g0, row, hi,
-                        max_blocks, sink, q_pos0, q_neg0, stride_qb, stride_qh, stride_sp, stride_sh,
-                        stride_r2t, stride_ob, stride_oh, BLOCK_SIZE, GROUP, GROUP_PAD,
+                        max_blocks, sink, q_pos0, q_neg0, stride_qb, stride_qh, stride_sp,
+                        stride_sh, stride_r2t, stride_ob, stride_oh, BLOCK_SIZE, GROUP, GROUP_PAD,
                         HEAD_DIM, BLOCK_D, D_CHUNKS, BLOCK_NB, PRECISION, INTERPRET,
                         HEADS_PER_PROGRAM)
 
@@ -327,16 +330,19 @@ def quest_block_scores_batched(
     several times fewer instructions per summary byte than "fma", whose instruction count
     rivals the bf16 summaries' bytes at large batch), or "tc_fp16" (fp8 or fp16 summaries
     widened to fp16 and q rounded to fp16, clamped to its finite range: fp8 -> fp16 is one
-    conversion per two values where fp8 -> bf16 adds one per value and register moves, ~40%
-    fewer instructions per tile at Qwen3-8B shapes in the sm90 PTX); None = "tc" on a GPU
-    when q and the summaries share a 16-bit dtype, "tc_fp16" for fp8 summaries (the block
-    scores as GEMMs: measured 5-15% faster per decode step at 128k, see
-    benchmarks/results/operator_h200*.json), otherwise "fma" for groups
-    smaller than 8 query heads of at most 256 dims and "ieee" for the others. ``block_nb``: blocks per program
+    conversion per two values where fp8 -> bf16 adds one per value and register moves: 402
+    against 658 PTX instructions per tile at Qwen3-8B shapes on sm90 (benchmarks/
+    kernel_ptx_counts.py), 40.8 against 43.1 us per
+    layer on the H200 at 10 x 128k, sparse_attention_h200_fp16_operands_128k.json); None =
+    "tc" on a GPU when q and the summaries share a 16-bit dtype, "tc_fp16" for fp8 summaries
+    (the block scores as GEMMs: measured 5-15% faster per decode step at 128k, see
+    benchmarks/results/operator_h200*.json), otherwise "fma" for groups smaller than 8 query
+    heads of at most 256 dims and "ieee" for the others. ``block_nb``: blocks per program
     (default: :func:`tc_block_nb` for "tc", 64 for 2-byte summaries with "fma", otherwise 32);
     ``num_warps`` / ``num_stages``: the launch's (default: 4 warps for "tc" or small tiles, else
     8; ``TC_NUM_STAGES`` for "tc", else Triton's default stages). ``heads_per_program`` (a
-    divisor of Hkv): kv heads one program scores (sharing its page lookups, reading each page's summaries of those heads as one run);
+    divisor of Hkv): kv heads one program scores (sharing its page lookups, reading each
+    page's summaries of those heads as one run);
     ``heads_fastest``: the grid's fastest dimension is the kv heads, so the programs of one
     request's heads run side by side (see ``HEADS_PER_PROGRAM`` for the measured defaults);
     ``tiles_per_program``: consecutive tiles of ``block_nb`` blocks one program walks in a loop
@@ -367,7 +373,7 @@ def quest_block_scores_batched(
         narrow = group < 8 and d_chunks == 1
         precision = ("tc_fp16" if kmin.dtype == FP8_SUMMARIES else "tc") if on_tensor_cores \
             else "fma" if narrow else "ieee"
-    if precision not in ("ieee", "tf32x3", "fma", "tc", "tc_fp16"):
+    if precision not in ("ieee", "tf32x3", "fma", *TENSOR_CORE_PRECISIONS):
         raise ValueError(f"precision must be ieee, tf32x3, fma, tc or tc_fp16, got {precision!r}")
     if precision == "fma" and d_chunks > 1:
         raise ValueError(f"precision 'fma' holds the whole head dim in one tile: D={head_dim} is "
@@ -387,9 +393,9 @@ def quest_block_scores_batched(
         # 16 KB of each summary tensor per program (the measured float32 configuration); for
         # 2-byte summaries with "fma" that also means fewer instructions per block (SASS: 120
         # vs 148 warp-instructions per block at 64 vs 32 blocks). Tensor cores: tc_block_nb.
-        block_nb = tc_block_nb(kmin.dtype) if precision in ("tc", "tc_fp16") else \
+        block_nb = tc_block_nb(kmin.dtype) if precision in TENSOR_CORE_PRECISIONS else \
             64 if kmin.element_size() == 2 and precision == "fma" else 32
-    if num_stages is None and precision in ("tc", "tc_fp16"):
+    if num_stages is None and precision in TENSOR_CORE_PRECISIONS:
         num_stages = TC_NUM_STAGES
     block_nb = min(block_nb, max(16, triton.next_power_of_2(max_blocks)))
     if heads_per_program < 1 or num_kv_heads % heads_per_program:
@@ -433,7 +439,8 @@ def quest_block_scores_batched(
         HEADS_FASTEST=heads_fastest,
         TILES_PER_PROGRAM=tiles_per_program,
         SKIP_DEAD_TILES=skip_dead_tiles and os.environ.get("TRITON_INTERPRET") != "1",
-        num_warps=num_warps or (4 if precision in ("tc", "tc_fp16") or block_nb * block_d < 4096 else 8),
+        num_warps=num_warps or (
+            4 if precision in TENSOR_CORE_PRECISIONS or block_nb * block_d < 4096 else 8),
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
     return out
