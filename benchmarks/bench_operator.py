@@ -59,6 +59,8 @@ def add_case_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sink", type=int, default=16)
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--method", default="two_level", choices=["two_level", "quest", "ds"])
+    p.add_argument("--block-score", default="label_max", choices=["bound", "label_max"],
+                   help="two_level's block filter (--sparse-block-score; default: %(default)s)")
     p.add_argument("--candidate-blocks", type=int, default=0,
                    help="two_level candidate blocks (0 = twice what the budget needs)")
 
@@ -82,6 +84,8 @@ def parse_args(argv=None):
                    choices=["other", *SUMMARY_DTYPES],
                    help="also time ours with summaries in this dtype (alone: the other of "
                         "bf16 / fp32)")
+    p.add_argument("--compare-block-score", action=argparse.BooleanOptionalAction, default=True,
+                   help="two_level: also time ours with the other block filter (default: on)")
     p.add_argument("--label-dtype", default="auto", choices=["auto", "fp8_e4m3"],
                    help="the label cache's storage (--sparse-label-dtype)")
     p.add_argument("--key-scale", type=float, default=1.0,
@@ -268,7 +272,9 @@ def selection_params(args):
     cand = args.candidate_blocks or max(1, 2 * -(-n_sel // args.block_size))
     return SelectionParams(args.method, args.budget, args.block_size, cand, args.sink,
                            args.window, label_dtype=args.label_dtype,
-                           summary_dtype=SUMMARY_PARAM[args.summary_dtype])
+                           summary_dtype=SUMMARY_PARAM[args.summary_dtype],
+                           block_score=args.block_score if args.method == "two_level"
+                           else "bound")
 
 
 SUMMARY_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp8": "float8_e4m3fn"}
@@ -280,7 +286,7 @@ def selection_config(params) -> dict:
     """The selection settings a results file records."""
     return {"method": params.method, "budget": params.budget, "block_size": params.block_size,
             "sink": params.sink, "window": params.window,
-            "candidate_blocks": params.candidate_blocks}
+            "candidate_blocks": params.candidate_blocks, "block_score": params.block_score}
 
 
 def summary_bytes_per_value(name: str) -> int:
@@ -301,12 +307,15 @@ def floor_bytes(params, batch: int, context: int, num_channels: int,
     sel_kv = batch * num_kv_heads * min(params.budget, context) * (key_dim + stored_value_dim) * 2
     qo = batch * num_q_heads * (key_dim + value_dim) * 2
     summaries = labels = index = 0
-    if params.method in ("quest", "two_level"):
+    if params.block_score == "label_max":  # every middle token's label channels
+        labels = batch * num_kv_heads * context * num_channels * 2
+        index += batch * blocks * 4  # page of each block
+    elif params.method in ("quest", "two_level"):
         summaries = batch * num_kv_heads * blocks * key_dim * summary_bytes * 2  # kmin + kmax
         index += batch * blocks * 4  # page of each block
     if params.method == "two_level":
         cand_tok = min(params.candidate_blocks, blocks) * bs
-        labels = batch * num_kv_heads * cand_tok * num_channels * 2
+        labels += batch * num_kv_heads * cand_tok * num_channels * 2
         index += batch * num_kv_heads * cand_tok * 4  # slot of each candidate token
     elif params.method == "ds":
         labels = batch * num_kv_heads * context * num_channels * 2
@@ -509,17 +518,26 @@ def stage_builders(q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, 
     inputs). The token top-k + slot assembly (one fused kernel) and the attention are timed
     as differences: select - stages, ours - select."""
     from sglang_ext.kernels.block_scores import quest_block_scores_batched
-    from sglang_ext.kernels.token_scores import label_token_scores_batched
+    from sglang_ext.kernels.token_scores import (
+        label_max_block_scores_batched,
+        label_token_scores_batched,
+    )
     from sglang_ext.kernels.topk import topk_masked
 
     batch, bs = q.shape[0], params.block_size
     select()  # fills ws.block_scores / ws.top_blocks for the stages below
     out = []
-    if ws.k_blocks:
+    if ws.k_blocks and params.block_score == "label_max":
+        out.append(("block_scores", lambda: lambda: label_max_block_scores_batched(
+            q, labels if labels is not None else k_buffer, req_to_token, req_pool_indices,
+            seq_lens, bs, params.sink, params.window, ws.max_blocks, channels=channels,
+            out=ws.block_scores[:batch], keys_are_labels=labels is not None)))
+    elif ws.k_blocks:
         out.append(("block_scores", lambda: lambda: quest_block_scores_batched(
             q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, bs, params.sink,
             params.window, ws.max_blocks, out=ws.block_scores[:batch],
             precision=ws.block_score_precision)))
+    if ws.k_blocks:
         if ws.k_tokens:  # otherwise the block top-k is the fused last top-k
             out.append(("block_topk", lambda: lambda: topk_masked(
                 ws.block_scores[:batch], ws.k_blocks, out=ws.top_blocks[:batch],
@@ -563,7 +581,9 @@ def run_check(args) -> bool:
     base = selection_params(args)
     for method in ("quest", "ds", "two_level"):
         params = SelectionParams(method, base.budget, bs, base.candidate_blocks, base.sink,
-                                 base.window, summary_dtype=base.summary_dtype)
+                                 base.window, summary_dtype=base.summary_dtype,
+                                 block_score=base.block_score if method == "two_level"
+                                 else "bound")
         for use_channels in (False, True):
             gen = case_generator("bench-check", method, use_channels)
             pb = make_paged_batch(gen, lens, HKV, HEAD_DIM, bs, dtype=torch.bfloat16,
@@ -780,10 +800,11 @@ def run_benchmark(args, device: str = "cuda") -> dict:
 
             def ours(impl, select_only=False, summary=args.summary_dtype,
                      precision=block_precision, use_labels=args.label_cache,
-                     scatter=args.scatter_selected):
+                     scatter=args.scatter_selected, block_score=params.block_score):
                 lab = labels if use_labels else None
                 # the params as the summaries are stored (the workspace checks them)
-                prm = dataclasses.replace(params, summary_dtype=SUMMARY_PARAM[summary])
+                prm = dataclasses.replace(params, summary_dtype=SUMMARY_PARAM[summary],
+                                          block_score=block_score)
                 ws = SparseDecodeWorkspace(batch, HQ, HKV, HEAD_DIM, prm, max_blocks, dev,
                                            torch.bfloat16, topk_impl=impl,
                                            block_score_precision=precision,
@@ -809,6 +830,12 @@ def run_benchmark(args, device: str = "cuda") -> dict:
                     args.topk_impl, use_labels=not args.label_cache)))
             if args.compare_topk:
                 builders.append((f"ours_{other_topk}_topk", lambda: ours(other_topk)))
+            if args.compare_block_score and params.method == "two_level":
+                other_score = "bound" if params.block_score == "label_max" else "label_max"
+                builders.append((f"ours_{other_score}", lambda: ours(
+                    args.topk_impl, block_score=other_score)))
+                builders.append((f"ours_{other_score}_select", lambda: ours(
+                    args.topk_impl, select_only=True, block_score=other_score)))
             for name in summary_names[1:]:
                 builders.append((f"ours_{name}_summaries",
                                  lambda name=name: ours(args.topk_impl, summary=name)))

@@ -62,7 +62,10 @@ from sglang_ext.kernels.sparse_attention import (
     sparse_attention_batched,
     split_layout,
 )
-from sglang_ext.kernels.token_scores import label_token_scores_batched
+from sglang_ext.kernels.token_scores import (
+    label_max_block_scores_batched,
+    label_token_scores_batched,
+)
 from sglang_ext.kernels.topk import _topk_row, topk_launch_config, topk_masked
 from sglang_ext.selection.reference import (
     SelectionParams,
@@ -486,14 +489,43 @@ class SparseDecodeWorkspace:
             raise ValueError(f"q dtype {dtype} differs from the workspace's {self.dtype}")
 
 
-def _block_scores(q: Tensor, kmin: Tensor, kmax: Tensor, req_to_token: Tensor,
-                  req_pool_indices: Tensor, seq_lens: Tensor,
-                  ws: SparseDecodeWorkspace) -> Tensor:
-    """The batch's Quest block scores, into the workspace's buffer."""
+def _token_keys(k_buffer: Tensor, labels: Tensor | None, channels: Tensor | None,
+                page_map: Tensor | None, params: SelectionParams) -> tuple[Tensor, bool]:
+    """What token scores read: the label cache when there is one (and no tier page map), else
+    the pool's keys; and whether it is the label cache."""
+    if labels is not None and page_map is None:
+        if channels is None or labels.shape[1:] != channels.shape:
+            raise ValueError("labels need their channels ([Hkv, r], matching the cache)")
+        want = label_storage_dtype(params.label_dtype, k_buffer.dtype)
+        if labels.dtype != want:
+            raise ValueError(f"label_dtype {params.label_dtype!r} stores labels as {want}, "
+                             f"the cache holds {labels.dtype}")
+        return labels, True
+    if params.label_dtype != "auto" and channels is not None:
+        # the rounded labels exist only in the cache: the pool's keys would score unrounded
+        raise ValueError(f"label_dtype {params.label_dtype!r} needs the label cache (labels)")
+    return k_buffer, False
+
+
+def _block_scores(q: Tensor, kmin: Tensor | None, kmax: Tensor | None, req_to_token: Tensor,
+                  req_pool_indices: Tensor, seq_lens: Tensor, ws: SparseDecodeWorkspace,
+                  tok_keys: Tensor, from_labels: bool, channels: Tensor | None) -> Tensor:
+    """The batch's block scores (``params.block_score``), into the workspace's buffer: Quest's
+    bound from the page summaries, or each block's largest label score over its middle tokens
+    (:func:`~sglang_ext.kernels.token_scores.label_max_block_scores_batched`)."""
     p = ws.params
+    batch = q.shape[0]
+    if p.block_score == "label_max":
+        return label_max_block_scores_batched(
+            q, tok_keys, req_to_token, req_pool_indices, seq_lens, p.block_size, p.sink,
+            p.window, ws.max_blocks, channels=channels, out=ws.block_scores[:batch],
+            keys_are_labels=from_labels)
+    if kmin is None or kmax is None:
+        raise ValueError(f"{p.method} with block_score 'bound' needs the block summaries "
+                         f"kmin/kmax")
     return quest_block_scores_batched(
         q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, p.block_size, p.sink,
-        p.window, ws.max_blocks, out=ws.block_scores[:q.shape[0]],
+        p.window, ws.max_blocks, out=ws.block_scores[:batch],
         precision=ws.block_score_precision,
     )
 
@@ -606,12 +638,17 @@ def select_slots_batched(
         return topk_masked(scores, k, out=out, impl=ws.topk_impl,
                            radix_bits=bits, k_rows=k_rows, n_rows=n_rows)
 
+    tok_keys, from_labels = k_buffer, False
+    if ws.k_tokens or params.block_score == "label_max":
+        tok_keys, from_labels = _token_keys(k_buffer, labels, channels, page_map, params)
+    if params.block_score == "label_max" and page_map is not None:
+        raise ValueError("the label-max block filter scores resident keys only: not with the "
+                         "CPU tier's page map")
     if candidates is not None:
         top = cand = candidates
     elif ws.k_blocks:
-        if kmin is None or kmax is None:
-            raise ValueError(f"{params.method} needs the block summaries kmin/kmax")
-        scores = _block_scores(q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, ws)
+        scores = _block_scores(q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, ws,
+                               tok_keys, from_labels, channels)
         if locality is not None:
             locality_update_batched(locality, scores, req_to_token, req_pool_indices, seq_lens,
                                     params)
@@ -628,19 +665,6 @@ def select_slots_batched(
         if attend_blocks is not None:
             top = cand = attend_blocks[:batch]
     if ws.k_tokens:
-        tok_keys = k_buffer
-        from_labels = labels is not None and page_map is None
-        if from_labels:
-            if channels is None or labels.shape[1:] != channels.shape:
-                raise ValueError("labels need their channels ([Hkv, r], matching the cache)")
-            want = label_storage_dtype(params.label_dtype, k_buffer.dtype)
-            if labels.dtype != want:
-                raise ValueError(f"label_dtype {params.label_dtype!r} stores labels as {want}, "
-                                 f"the cache holds {labels.dtype}")
-            tok_keys = labels
-        elif params.label_dtype != "auto" and channels is not None:
-            # the rounded labels exist only in the cache: the pool's keys would score unrounded
-            raise ValueError(f"label_dtype {params.label_dtype!r} needs the label cache (labels)")
         tok_scores, _ = label_token_scores_batched(
             q, tok_keys, req_to_token, req_pool_indices, seq_lens,
             cand if ws.mode == _MODE_CAND_TOKENS else None, bs, params.sink, params.window,
@@ -700,14 +724,17 @@ def select_slots_batched(
 
 def select_blocks_batched(
     q: Tensor,
-    kmin: Tensor,
-    kmax: Tensor,
+    kmin: Tensor | None,
+    kmax: Tensor | None,
     req_to_token: Tensor,
     req_pool_indices: Tensor,
     seq_lens: Tensor,
     params: SelectionParams,
     workspace: SparseDecodeWorkspace,
     out_table: Tensor | None = None,
+    k_buffer: Tensor | None = None,
+    channels: Tensor | None = None,
+    labels: Tensor | None = None,
 ) -> Tensor:
     """The block filter alone (quest / two_level): the top ``workspace.k_blocks`` blocks by
     Quest bound of every (request, kv head), int32 ``[B, Hkv, k]`` (a view of the workspace's
@@ -715,13 +742,19 @@ def select_blocks_batched(
     ``candidates``: the asynchronous block filter runs it on a side stream for the next step.
     ``out_table`` (int32 ``[rows, Hkv, k]``, per request row): the top-k writes each
     request's blocks straight into its row ``req_pool_indices[b]`` instead, and the table is
-    returned."""
+    returned. ``k_buffer`` / ``channels`` / ``labels`` (``params.block_score`` "label_max"):
+    what the token scores read, as in :func:`select_slots_batched`."""
     ws = workspace
     batch = q.shape[0]
     if not ws.k_blocks or params != ws.params or batch > ws.max_batch:
         raise ValueError("select_blocks_batched needs a block-filter method (quest, two_level) "
                          "and a workspace that fits the batch and params")
-    scores = _block_scores(q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, ws)
+    if params.block_score == "label_max" and k_buffer is None:
+        raise ValueError("the label-max block filter needs the keys (k_buffer) or labels")
+    tok_keys, from_labels = (None, False) if k_buffer is None else _token_keys(
+        k_buffer, labels, channels, None, params)
+    scores = _block_scores(q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, ws,
+                           tok_keys, from_labels, channels)
     if out_table is not None:
         return topk_masked(scores, ws.k_blocks, out=out_table, impl=ws.topk_impl,
                            radix_bits=ws.block_topk_radix_bits, out_rows=req_pool_indices)

@@ -72,6 +72,7 @@ def _label_token_scores_kernel(
     HAS_FORCED: tl.constexpr,
     WRITE_CAND_SLOTS: tl.constexpr,
     WRITE_CAND_POS: tl.constexpr,
+    BLOCK_MAX: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -99,6 +100,12 @@ def _label_token_scores_kernel(
         ).to(tl.int64)
         valid = valid & (page >= 0)
         slot = page * BLOCK_SIZE + (t % BLOCK_SIZE)
+    elif BLOCK_MAX:
+        # Pages are blocks (page_size == block_size): one lookup per block, the same address
+        # for all its tokens (one transaction), instead of one per token.
+        first = tl.load(REQ_TO_TOKEN + row * stride_r2t + blk * BLOCK_SIZE, mask=valid,
+                        other=0).to(tl.int64)
+        slot = (first // BLOCK_SIZE) * BLOCK_SIZE + (t % BLOCK_SIZE)
     else:
         slot = tl.load(REQ_TO_TOKEN + row * stride_r2t + pos, mask=valid, other=0).to(tl.int64)
 
@@ -128,6 +135,13 @@ def _label_token_scores_kernel(
         ).to(tl.float32)
         score = tl.maximum(score, tl.sum(k * qh[None, :], axis=1))
     score = tl.where(valid, score, float("-inf"))
+    if BLOCK_MAX:
+        # each block's largest middle score (the tile holds whole blocks), not the tokens'
+        per_block = tl.max(tl.reshape(score, [BLOCK_T // BLOCK_SIZE, BLOCK_SIZE]), axis=1)
+        j = tile * (BLOCK_T // BLOCK_SIZE) + tl.arange(0, BLOCK_T // BLOCK_SIZE)
+        tl.store(SCORES + b.to(tl.int64) * stride_ob + g * stride_og + j, per_block,
+                 mask=j < num_cand)
+        return
     if HAS_FORCED:
         # The locality constraint's kept blocks (block score +inf): their middle tokens first.
         forced = tl.load(FORCED + b.to(tl.int64) * stride_fb + g * stride_fg + blk, mask=valid,
@@ -150,6 +164,47 @@ def _label_token_scores_kernel(
             tl.where(valid, pos, -1).to(tl.int32),
             mask=out_mask,
         )
+
+
+def label_max_block_scores_batched(
+    q: Tensor,
+    k_buffer: Tensor,
+    req_to_token: Tensor,
+    req_pool_indices: Tensor,
+    seq_lens: Tensor,
+    block_size: int,
+    sink: int,
+    window: int,
+    num_blocks: int,
+    channels: Tensor | None = None,
+    out: Tensor | None = None,
+    keys_are_labels: bool = False,
+) -> Tensor:
+    """The label-max block filter's scores: each block's largest label score over its middle
+    tokens, float32 ``[B, Hkv, num_blocks]`` (``-inf`` for blocks with no middle token), what
+    :func:`label_token_scores_batched` with ``cand=None`` followed by a max over each block's
+    tokens gives, in one pass that writes no token score. Pages must be blocks
+    (``page_size == block_size``): a block's tokens are read from its first slot's page.
+    Arguments as for :func:`label_token_scores_batched`."""
+    if out is None:
+        out = torch.empty(q.shape[0], k_buffer.shape[1], num_blocks, dtype=torch.float32,
+                          device=q.device)
+    _launch_token_scores(q, k_buffer, req_to_token, req_pool_indices, seq_lens, None,
+                         block_size, sink, window, channels, num_blocks, out, None, None,
+                         None, keys_are_labels, None, None, block_max=True)
+    return out
+
+
+def label_max_block_scores_batched_ref(
+    q: Tensor, k_buffer: Tensor, req_to_token: Tensor, req_pool_indices: Tensor,
+    seq_lens: Tensor, block_size: int, sink: int, window: int, num_blocks: int,
+    channels: Tensor | None = None,
+) -> Tensor:
+    """Plain-torch reference of :func:`label_max_block_scores_batched`."""
+    scores, _ = label_token_scores_batched_ref(q, k_buffer, req_to_token, req_pool_indices,
+                                               seq_lens, None, block_size, sink, window,
+                                               channels, num_blocks)
+    return scores.view(*scores.shape[:2], num_blocks, block_size).amax(dim=3)
 
 
 def label_token_scores_batched(
@@ -199,7 +254,6 @@ def label_token_scores_batched(
     num_kv_heads = k_buffer.shape[1]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
-    group = num_q_heads // num_kv_heads
     if cand is None:
         if num_blocks is None:
             raise ValueError("cand=None needs num_blocks")
@@ -207,10 +261,6 @@ def label_token_scores_batched(
     else:
         num_cand = cand.shape[2]
     n_tok = num_cand * block_size
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    if k_buffer.stride(2) != 1:
-        raise ValueError("k_buffer rows must be contiguous")
     if scores_out is None:
         scores_out = torch.empty(batch, num_kv_heads, n_tok, dtype=torch.float32, device=q.device)
     if return_positions and positions_out is None:
@@ -220,6 +270,34 @@ def label_token_scores_batched(
     if batch == 0 or n_tok == 0:
         return scores_out, positions_out
 
+    _launch_token_scores(q, k_buffer, req_to_token, req_pool_indices, seq_lens, cand,
+                         block_size, sink, window, channels, num_cand, scores_out,
+                         positions_out, page_map, forced_blocks, keys_are_labels,
+                         cand_slots_out, cand_positions_out, block_max=False)
+    return scores_out, positions_out
+
+
+def _launch_token_scores(
+    q: Tensor, k_buffer: Tensor, req_to_token: Tensor, req_pool_indices: Tensor,
+    seq_lens: Tensor, cand: Tensor | None, block_size: int, sink: int, window: int,
+    channels: Tensor | None, num_cand: int, scores_out: Tensor, positions_out: Tensor | None,
+    page_map: Tensor | None, forced_blocks: Tensor | None, keys_are_labels: bool,
+    cand_slots_out: Tensor | None, cand_positions_out: Tensor | None, block_max: bool,
+) -> None:
+    """One launch of the token-score kernel over ``num_cand`` candidates (blocks), into
+    ``scores_out`` (per token, or per block with ``block_max``)."""
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    group = num_q_heads // num_kv_heads
+    n_tok = num_cand * block_size
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if k_buffer.stride(2) != 1:
+        raise ValueError("k_buffer rows must be contiguous")
+    if batch == 0 or n_tok == 0:
+        return
     if keys_are_labels and (channels is None or k_buffer.shape[2] != channels.shape[-1]):
         raise ValueError("label-cache keys need their channels ([Hkv, r], r = the cache's width)")
     if channels is not None:
@@ -287,9 +365,9 @@ def label_token_scores_batched(
         HAS_FORCED=forced_blocks is not None,
         WRITE_CAND_SLOTS=cand_slots_out is not None,
         WRITE_CAND_POS=cand_positions_out is not None,
+        BLOCK_MAX=block_max,
         num_warps=4,
     )
-    return scores_out, positions_out
 
 
 def label_token_scores_batched_ref(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sglang_ext.attention.mixed_settings import unsupported_override
 from sglang_ext.attention.request_overrides import OVERRIDE_KEY, parse_override
 
 
@@ -27,12 +28,28 @@ def _after_verify(result: Any, sampling_params: Any, *args: Any, **kwargs: Any) 
             raise ValueError(f"custom_params.{OVERRIDE_KEY}.{key} {getattr(params, key)!r} "
                              "does not support MLA models (latent KV pool) yet")
     if custom and OVERRIDE_KEY in custom and active_impl() == "triton":
-        # The batched kernels run one static configuration inside the CUDA graph: refuse
-        # rather than silently decode with the server-wide settings.
-        raise ValueError(
-            f"custom_params.{OVERRIDE_KEY} needs a server started with --sparse-impl reference "
-            "(this one decodes with the server-wide settings in CUDA graphs)"
-        )
+        why = triton_override_refusal(params, active_config(), active_is_mla())
+        if why is not None:
+            # refuse rather than silently decode with the server-wide settings
+            raise ValueError(f"custom_params.{OVERRIDE_KEY}: {why}")
+
+
+def triton_override_refusal(params: Any, config: Any, is_mla: bool) -> str | None:
+    """Why the batched decode cannot serve a request's own setting (one line), or None: it
+    serves the request-level settings (attention/mixed_settings.py) next to none of the
+    server-wide features that keep per-row state in the kernels."""
+    server_wide = [flag for flag, on in (
+        ("--sparse-tier", config.tier != "off"),
+        ("--sparse-guard-every", config.guard_every > 0),
+        ("--sparse-locality-blocks", config.locality_blocks > 0),
+        ("--sparse-block-filter async", config.block_filter == "async"),
+        ("--sparse-cooperative", config.cooperative == "on"),
+        ("an MLA model", is_mla),
+    ) if on]
+    if server_wide:
+        return (f"per-request settings on --sparse-impl triton do not combine with "
+                f"{server_wide[0]} (use --sparse-impl reference)")
+    return unsupported_override(params, config.block_size)
 
 
 def _sampling_params_type_error(obj: Any) -> str | None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from sglang_ext.selection.reference import (
+    BLOCK_SCORES,
     LABEL_DTYPES,
     METHODS,
     SCORINGS,
@@ -29,6 +30,7 @@ TIER_METHODS = ("quest", "two_level")  # the tier fetches what a block filter ch
 DENSE_DECODE_MODES = ("sglang", "float32")  # the reference decode's dense rows
 ON_OFF = ("off", "on")
 BLOCK_FILTER_MODES = ("sync", "async")
+BLOCK_SCORE_MODES = ("auto", *BLOCK_SCORES)
 # The locality constraint's query-agnostic scores (selection/locality.py: SCORE_KINDS).
 EVICTION_SCORES = ("attention", "key_norm", "learned")
 ENV_CONFIG = "SGLANG_EXT_CONFIG"  # JSON fallback for sgl.Engine(...), which rejects unknown kwargs
@@ -69,6 +71,7 @@ class SparseConfig:
     cooperative: str = "off"  # Fluxion CPU-GPU cooperative attention of the sync tier: ON_OFF
     cooperative_threads: int = 0  # its CPU worker threads (0 = auto: cooperative_worker_threads)
     block_filter: str = "sync"  # AsyncTLS's one-step-ahead block filter: see BLOCK_FILTER_MODES
+    block_score: str = "auto"  # how the block filter ranks blocks: see BLOCK_SCORE_MODES
 
     @property
     def keeps_label_cache(self) -> bool:
@@ -77,6 +80,21 @@ class SparseConfig:
         token scores read the resident keys by device page)."""
         return (self.label_config is not None and self.method in ("two_level", "ds")
                 and self.tier == "off")
+
+    @property
+    def label_max_applies(self) -> bool:
+        """Whether the label-max block filter can serve this configuration: two_level without
+        the CPU tier (host-homed keys cannot be scored), the locality constraint (whose
+        query-aware part is ranked by the bound) or the asynchronous block filter."""
+        return (self.method == "two_level" and self.tier == "off" and self.locality_blocks == 0
+                and self.block_filter == "sync")
+
+    @property
+    def effective_block_score(self) -> str:
+        """``block_score`` with "auto" resolved: label_max where it applies, else bound."""
+        if self.block_score != "auto":
+            return self.block_score
+        return "label_max" if self.label_max_applies else "bound"
 
     @property
     def effective_guard_max_budget(self) -> int:
@@ -204,6 +222,13 @@ _FLAGS: tuple[tuple[str, str, str, str], ...] = (
      "blocks with each request's previous query instead (the same selection; a request may ask "
      "for it: custom_params.sparse.block_filter). async needs --sparse-method quest or "
      "two_level, and no tier, locality constraint or guard."),
+    ("block_score", "--sparse-block-score", "{" + ",".join(BLOCK_SCORE_MODES) + "}",
+     "How two_level's block filter ranks blocks: bound (Quest's upper bound of q.k from each "
+     "page's key min/max), label_max (each block's largest label score: every middle token is "
+     "scored by its label channels, which keeps the block holding a needle about as often as "
+     "token-level selection does; bound loses it about half the time at 16- and 32-token "
+     "blocks on real weights), or auto (label_max for two_level without --sparse-tier, "
+     "--sparse-locality-blocks or --sparse-block-filter async, which rank by the bound)."),
     ("cooperative_threads", "--sparse-cooperative-threads", "THREADS",
      "CPU worker threads of --sparse-cooperative (0 = half of the cores this process may use, "
      "at least 1, at most 8)."),
@@ -360,6 +385,11 @@ def _validate(cfg: SparseConfig) -> None:
         fail("tier_timing", "needs --sparse-tier sync or async (it times the tier's transfers)")
     _validate_cooperative(cfg, fail)
     _validate_block_filter(cfg, fail)
+    if cfg.block_score not in BLOCK_SCORE_MODES:
+        fail("block_score", f"must be one of {', '.join(BLOCK_SCORE_MODES)}")
+    if cfg.block_score == "label_max" and not cfg.label_max_applies:
+        fail("block_score", "label_max needs --sparse-method two_level, and no --sparse-tier, "
+             "--sparse-locality-blocks or --sparse-block-filter async")
     if cfg.guard_every < 0:
         fail("guard_every", "must be >= 0 (0 = off)")
     if not 0.0 < cfg.guard_recall < 1.0:

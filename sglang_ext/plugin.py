@@ -15,6 +15,7 @@ _registered = False
 def _patch_modules() -> list:
     from sglang_ext.patches import (
         attention_registry,
+        cuda_graph,
         kv_cache_configurator,
         model_loader,
         paged_allocator,
@@ -25,7 +26,7 @@ def _patch_modules() -> list:
     )
 
     return [server_args, attention_registry, sampling_params, req_to_token_pool,
-            kv_cache_configurator, paged_allocator, model_loader, scheduler]
+            kv_cache_configurator, paged_allocator, model_loader, scheduler, cuda_graph]
 
 
 def register() -> None:

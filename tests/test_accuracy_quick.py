@@ -198,10 +198,14 @@ def test_async_filter_variants_ask_for_it_and_the_wide_ones_double_the_filter():
     for b in (64, 128):
         plain = sel["two_level", b]
         assert plain.block_filter == "sync"
-        assert sel["two_level_async", b] == dataclasses.replace(plain, block_filter="async")
+        # the asynchronous filter ranks blocks by the bound (the label maximum needs this
+        # step's query over every middle token)
+        assert plain.block_score == "label_max"
+        async_ = dict(block_filter="async", block_score="bound")
+        assert sel["two_level_async", b] == dataclasses.replace(plain, **async_)
         wide = dataclasses.replace(plain, candidate_blocks=2 * plain.candidate_blocks)
         assert sel["two_level_wide", b] == wide
-        assert sel["two_level_async_wide", b] == dataclasses.replace(wide, block_filter="async")
+        assert sel["two_level_async_wide", b] == dataclasses.replace(wide, **async_)
     assert all(R.FILTER_SCALE not in st.custom_params["sparse"] for st in settings)
 
 

@@ -344,3 +344,24 @@ def test_cooperative_worker_threads():
 
     assert cooperative_worker_threads(build_config(cooperative_threads=3)) == 3
     assert 1 <= cooperative_worker_threads(build_config()) <= 8
+
+
+def test_block_score_auto_resolves_and_label_max_is_checked():
+    """auto: label_max for two_level without the tier, the locality constraint or the async
+    filter (which rank by the bound); an explicit label_max elsewhere stops start-up."""
+    from sglang_ext.attention.request_overrides import parse_override
+
+    assert build_config().effective_block_score == "label_max"
+    assert parse_override(None, build_config()).block_score == "label_max"
+    for values in ({"method": "quest"}, {"tier": "sync"}, {"block_filter": "async"},
+                   {"locality_blocks": 2}):
+        assert build_config(**values).effective_block_score == "bound"
+        with pytest.raises(ConfigError, match="--sparse-block-score label_max needs"):
+            build_config(block_score="label_max", **values)
+    assert build_config(block_score="bound").effective_block_score == "bound"
+    with pytest.raises(ConfigError, match="--sparse-block-score must be one of"):
+        build_config(block_score="minmax")
+    # a request that changes the method falls back to what applies to it
+    base = build_config(block_score="label_max")
+    assert parse_override({"sparse": {"method": "quest"}}, base).block_score == "bound"
+    assert parse_override({"sparse": {"block_score": "bound"}}, base).block_score == "bound"

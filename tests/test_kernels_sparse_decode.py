@@ -117,15 +117,18 @@ def _lens_for(bs, budget):
     return [[budget // 2, budget, budget + 1], [4 * bs * 2 - 1, 8 * bs + 1, 97]]
 
 
-@pytest.mark.parametrize("method", ["quest", "ds", "two_level"])
+@pytest.mark.parametrize("method", ["quest", "ds", "two_level", "two_level_label_max"])
 @pytest.mark.parametrize("use_channels", [False, True], ids=["allch", "labels"])
 def test_matches_reference(method, use_channels):
-    case = ["quest", "ds", "two_level"].index(method) + 3 * use_channels
+    label_max = method.endswith("_label_max")
+    method = method.removesuffix("_label_max")
+    case = ["quest", "ds", "two_level"].index(method) + 3 * use_channels + label_max
     hq, hkv, head_dim, bs, sink, window, budget = SHAPES[(case + use_channels) % 3]
     n_sel = budget - sink - window
     # two_level: sometimes fewer candidate tokens than n_sel (slots stay -1), sometimes more
     cand_blocks = (n_sel // bs - 1) if case % 2 else (2 * n_sel // bs)
-    params = SelectionParams(method, budget, bs, max(cand_blocks, 1), sink, window)
+    params = SelectionParams(method, budget, bs, max(cand_blocks, 1), sink, window,
+                             block_score="label_max" if label_max else "bound")
     for i, lens in enumerate(_lens_for(bs, budget)):
         gen = case_generator("decode", method, use_channels, i)
         dtype = torch.float32 if (use_channels and i) else torch.bfloat16

@@ -9,11 +9,14 @@ from sglang_ext.kernels.testing import (
     make_paged_batch,
     random_values,
 )
+from sglang_ext.kernels.label_cache import allocate_label_cache, update_label_cache
 from sglang_ext.kernels.token_scores import (
+    label_max_block_scores_batched,
+    label_max_block_scores_batched_ref,
     label_token_scores_batched,
     label_token_scores_batched_ref,
 )
-from sglang_ext.selection.reference import label_token_scores
+from sglang_ext.selection.reference import label_max_block_scores, label_token_scores
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
@@ -108,3 +111,86 @@ def test_gpu_real_shapes(use_channels):
         channels = torch.stack([torch.randperm(128, generator=gen)[:16] for _ in range(8)]).cuda()
     cand = _random_cand(gen, pb, 246)
     _check(pb, q, cand, channels, sink=16, window=64, atol=1e-3)
+
+
+def _check_label_max(pb, q, channels, sink, window, labels=None, rtol=1e-5, atol=1e-4):
+    """label_max_block_scores_batched against its torch reference and, request by request,
+    the selection reference's label_max_block_scores over the middle."""
+    bs = pb.page_size
+    args = (q, pb.k_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, bs, sink, window,
+            pb.max_blocks)
+    out = torch.full((q.shape[0], pb.k_buffer.shape[1], pb.max_blocks), float("nan"),
+                     device=q.device)
+    if labels is None:
+        got = label_max_block_scores_batched(*args, channels=channels, out=out)
+    else:
+        got = label_max_block_scores_batched(q, labels, *args[2:], channels=channels, out=out,
+                                             keys_are_labels=True)
+    assert got.data_ptr() == out.data_ptr() and not got.isnan().any(), "unwritten entries"
+    ref = label_max_block_scores_batched_ref(*args, channels=channels)
+    finite = ref.isfinite()
+    assert torch.equal(got.isfinite(), finite) and (got[~finite] == float("-inf")).all()
+    torch.testing.assert_close(got[finite], ref[finite], rtol=rtol, atol=atol)
+    for b in range(q.shape[0]):
+        length = int(pb.seq_lens[b])
+        hi = length - window
+        if hi <= sink:
+            continue
+        blocks = label_max_block_scores(
+            label_token_scores(q[b], pb.keys(b)[sink:hi], channels), sink, bs)
+        first = sink // bs
+        torch.testing.assert_close(got[b, :, first:first + blocks.shape[1]], blocks, rtol=rtol,
+                                   atol=atol)
+
+
+@pytest.mark.parametrize("hq,hkv", HEADS, ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("use_channels", [True, False], ids=["labels", "allch"])
+def test_label_max_block_scores(hq, hkv, use_channels):
+    """Each block's largest middle label score, read from the pool's keys by page."""
+    bs, head_dim, sink, window = 4, 32, 3, 5
+    gen = case_generator("label_max", hq, hkv, use_channels)
+    lens = [9, 2 * bs + 1, 70, 5]
+    pb = make_paged_batch(gen, lens, hkv, head_dim, bs, dtype=torch.bfloat16, device=DEVICE,
+                          summary_chunks=0)
+    q = random_values(gen, len(lens), hq, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    channels = None
+    if use_channels:
+        channels = torch.stack([torch.randperm(head_dim, generator=gen)[:6] for _ in range(hkv)])
+        channels = channels.to(DEVICE)
+    _check_label_max(pb, q, channels, sink, window)
+
+
+@pytest.mark.parametrize("label_dtype", [None, torch.float8_e4m3fn], ids=["kv", "fp8"])
+def test_label_max_block_scores_from_label_cache(label_dtype):
+    """The same scores from the label cache (the channels stored contiguously), as the server
+    reads them; fp8 labels as stored (the reference scores the rounded keys)."""
+    bs, head_dim, hq, hkv, r = 8, 32, 6, 2, 5
+    gen = case_generator("label_max_cache", str(label_dtype))
+    lens = [40, 77, 100]
+    pb = make_paged_batch(gen, lens, hkv, head_dim, bs, dtype=torch.bfloat16, device=DEVICE,
+                          summary_chunks=0)
+    q = random_values(gen, len(lens), hq, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    channels = torch.stack([torch.randperm(head_dim, generator=gen)[:r] for _ in range(hkv)])
+    channels = channels.to(DEVICE)
+    labels = allocate_label_cache(pb.k_buffer.shape[0], hkv, r, DEVICE,
+                                  label_dtype or pb.k_buffer.dtype)
+    slots = torch.arange(pb.k_buffer.shape[0], device=DEVICE)
+    update_label_cache(labels, pb.k_buffer, slots, channels)
+    if label_dtype is not None:  # the keys as the fp8 labels hold them, for the references
+        stored = pb.k_buffer.float()
+        index = channels[None].expand(stored.shape[0], -1, -1)
+        stored.scatter_(2, index, labels.float())
+        pb.k_buffer.copy_(stored.to(pb.k_buffer.dtype))
+    _check_label_max(pb, q, channels, 2, 6, labels=labels)
+
+
+@gpu
+@needs_cuda
+def test_gpu_label_max_real_shapes():
+    gen = case_generator("gpu-label-max")
+    lens = [32768, 32768 - 9, 3000, 1]
+    pb = make_paged_batch(gen, lens, 8, 128, 32, dtype=torch.bfloat16, device="cuda",
+                          summary_chunks=0)
+    q = random_values(gen, 4, 32, 128, dtype=torch.bfloat16, device="cuda")
+    channels = torch.stack([torch.randperm(128, generator=gen)[:16] for _ in range(8)]).cuda()
+    _check_label_max(pb, q, channels, 16, 64, atol=1e-3)

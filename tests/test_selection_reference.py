@@ -8,6 +8,8 @@ included.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import zlib
 
@@ -151,6 +153,8 @@ def oracle_select_from_scores(
         elif p.method == "ds":
             chosen |= set(_top(middle, n_sel, tscore))
         else:
+            if p.block_score == "label_max":  # a block's largest middle token score
+                bscore = {b: max(tscore[t] for t in middle if t // bs == b) for b in blocks}
             kept = _top(blocks, min(p.candidate_blocks, len(blocks)), bscore)
             chosen |= set(_top([t for t in middle if t // bs in kept], n_sel, tscore))
         rows.append([t in chosen for t in range(length)])
@@ -313,8 +317,10 @@ def test_select_token_mask(heads: tuple[int, int], cfg, length: int) -> None:
     quest = oracle_quest_scores(q, *oracle_block_minmax(keys, cfg[0]))
     for channels in (None, _random_channels(gen, hkv)):
         tok = oracle_token_scores(q, keys, channels)
-        for method in METHODS:
-            p = _params(method, cfg)
+        for method in (*METHODS, "two_level_label_max"):
+            p = _params(method.removesuffix("_label_max"), cfg)
+            if method.endswith("label_max"):
+                p = dataclasses.replace(p, block_score="label_max")
             expected = oracle_select_from_scores(p, length, quest, tok)
             label = f"{method}, channels={'all' if channels is None else 'label'}"
             _check_selection(q, keys, p, channels, label, expected)
@@ -512,3 +518,32 @@ def test_batched_reference_scores_stored_labels_and_summaries(label_dtype: str,
     assert changed
     with pytest.raises(ValueError, match="one label_dtype"):
         BatchedSparseDecode(rows, lengths, [stored, base, stored], split_families=False)
+
+
+def test_batched_reference_label_max_block_filter() -> None:
+    """``BatchedSparseDecode`` ranks the blocks of label_max rows by their largest middle
+    token score and the others by the bound, in one batch, each row as ``sparse_decode`` alone;
+    and the two filters keep different blocks here (so the test tells them apart)."""
+    hq, hkv = 6, 2
+    gen = _gen("batched-label-max")
+    lengths = [300, 263, 199]
+    keys = [_randn(gen, n, hkv, D) * 3 for n in lengths]
+    values = [_randn(gen, n, hkv, DV) for n in lengths]
+    pool_k, pool_v = torch.cat(keys), torch.cat(values)
+    rows = torch.zeros(3, max(lengths), dtype=torch.long)
+    start = 0
+    for i, n in enumerate(lengths):
+        rows[i, :n] = torch.arange(start, start + n)
+        start += n
+    channels = _random_channels(gen, hkv)
+    q = _randn(gen, 3, hq, D)
+    bound = SelectionParams("two_level", 48, 8, 5, 4, 8)
+    label_max = dataclasses.replace(bound, block_score="label_max")
+    params = [label_max, bound, label_max]
+    out = BatchedSparseDecode(rows, lengths, params).decode(q, pool_k, pool_v, SM_SCALE, channels)
+    for i in range(3):
+        expected = sparse_decode(q[i], keys[i], values[i], params[i], SM_SCALE, channels)
+        torch.testing.assert_close(out[i], expected, rtol=1e-5, atol=1e-5)
+    assert any(not torch.equal(select_token_mask(q[i], keys[i], bound, channels),
+                               select_token_mask(q[i], keys[i], label_max, channels))
+               for i in range(3))

@@ -174,18 +174,26 @@ def build_prompt(tokenizer: Any, prompt_tokens: int, seed: int) -> list[int]:
 def decode(model: Any, hook: DecodeAttention, entries: list[Entry], prompt: list[int],
            num_tokens: int, eos: Sequence[int], forced: Optional[Sequence[int]] = None,
            progress: Any = None, temperature: float = 0.0,
-           generator: Optional[torch.Generator] = None) -> list[dict[str, list]]:
+           generator: Optional[torch.Generator] = None,
+           share_prefill: bool = False) -> list[dict[str, list]]:
     """One sequence per entry: prefill ``prompt``, then ``num_tokens`` decode steps feeding
     ``forced`` tokens (teacher forcing) or each sequence's own next token (free running: greedy,
     or sampled at ``temperature`` > 0 from ``generator``; EOS never chosen). Per entry:
     ``tokens`` (fed), ``pred`` (greedy prediction at each step) and ``logp`` (log-likelihood of
-    the fed token)."""
+    the fed token). ``share_prefill``: prefill the prompt once and repeat its cache for every
+    entry (the prompt is dense for all of them) instead of prefilling a batch of copies."""
     from transformers import DynamicCache
 
     batch = len(entries)
     hook.reset(entries)
     cache = DynamicCache()
-    out = model(input_ids=torch.tensor([prompt] * batch), past_key_values=cache, use_cache=True)
+    if share_prefill:
+        out = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        cache.batch_repeat_interleave(batch)
+        out.logits = out.logits[:, -1:].repeat(batch, 1, 1)
+    else:
+        out = model(input_ids=torch.tensor([prompt] * batch), past_key_values=cache,
+                    use_cache=True)
     runs: list[dict[str, list]] = [{"tokens": [], "pred": [], "logp": []} for _ in entries]
     for t in range(num_tokens):
         logits = out.logits[:, -1].float()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import platform
 import subprocess
@@ -60,6 +61,9 @@ LIMITED_NEW_BLOCKS = "limited_new_blocks"
 # Another: the block filter this many times the automatic one.
 FILTER_SCALE = "filter_scale"
 VARIANTS = {
+    # two_level's block filter by Quest's bound instead of the label maximum (the server's
+    # default where it applies, --sparse-block-score)
+    "two_level_bound": {"method": "two_level", "head_policy": False, "block_score": "bound"},
     "output_aware": {"method": "two_level", "scoring": "output_aware"},
     # AsyncTLS's asynchronous block filter: blocks ranked by the previous step's query (what
     # --sparse-block-filter async serves on the GPU), tokens by this step's
@@ -384,13 +388,30 @@ def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
+def wilson_interval(credits: Sequence[float], z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a mean credit in [0, 1] (exact for 0/1 credits), in
+    points (0-100)."""
+    n = len(credits)
+    if n == 0:
+        return 0.0, 100.0
+    p = sum(credits) / n
+    denom = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return 100 * max(0.0, center - half), 100 * min(1.0, center + half)
+
+
 def make_rows(results: Sequence[Result], settings: Sequence[Setting]) -> list[dict]:
     rows = []
     by_key: OrderedDict[tuple, list[Result]] = OrderedDict()
+    dense_credit = {(r.sample.task, r.sample.context, r.sample.index): r.credit
+                    for r in results if r.setting.method == DENSE}
     for r in results:
         by_key.setdefault((r.sample.task, r.sample.context) + r.setting.label, []).append(r)
     for (task, context, method, budget), rs in by_key.items():
         sparse = (rs[0].setting.custom_params or {}).get("sparse", {})
+        ci_low, ci_high = wilson_interval([r.credit for r in rs])
+        same = [dense_credit.get((r.sample.task, r.sample.context, r.sample.index)) for r in rs]
         row = {
             "task": task,
             "context": context,
@@ -398,6 +419,11 @@ def make_rows(results: Sequence[Result], settings: Sequence[Setting]) -> list[di
             "budget": budget,
             "score": round(100.0 * _mean([r.credit for r in rs]), 2),
             "n": len(rs),
+            "ci_low": round(ci_low, 2),
+            "ci_high": round(ci_high, 2),
+            # dense attention on the same samples (None where a sample has no dense run)
+            "dense_score": (round(100.0 * _mean(same), 2)
+                            if same and all(c is not None for c in same) else None),
             # Summed request latency (server-side e2e) of the row's requests; requests overlap
             # when parallel > 1, and dense rows include the prefill.
             "seconds": round(sum(float(r.meta.get("e2e_latency") or 0.0) for r in rs), 2),
@@ -576,7 +602,8 @@ def render_plot(doc: dict, path: str) -> None:
               "locality_learned": "tab:pink", "locality_wide": "tab:olive",
               "locality_attention": "tab:cyan", "locality_limited": "tab:gray",
               "locality_limited_learned": "black", "two_level_async": "goldenrod",
-              "two_level_async_wide": "darkgoldenrod", "two_level_wide": "darkgreen"}
+              "two_level_async_wide": "darkgoldenrod", "two_level_wide": "darkgreen",
+              "two_level_bound": "lime"}
 
     def get(task, ctx, method, budget):
         if task == "mean":

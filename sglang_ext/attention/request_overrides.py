@@ -22,7 +22,7 @@ OVERRIDE_KEY = "sparse"
 DENSE = "dense"
 OVERRIDABLE = ("method", "budget", "block_size", "candidate_blocks", "sink", "window", "scoring",
                "head_policy", "locality_blocks", "eviction_score", "locality_new_blocks",
-               "block_filter")
+               "block_filter", "block_score")
 
 # What a request decodes with: SelectionParams, or None for dense attention.
 RequestSparsity = Optional[SelectionParams]
@@ -46,6 +46,7 @@ def selection_params(cfg: SparseConfig, use_head_policy: Optional[bool] = None) 
         block_filter=cfg.block_filter,
         label_dtype=cfg.label_dtype,
         summary_dtype=cfg.summary_dtype,
+        block_score=cfg.effective_block_score,
     )
 
 
@@ -87,6 +88,8 @@ def parse_override(custom_params: Optional[Mapping[str, Any]], base: SparseConfi
     if raw.get("locality_blocks", values["locality_blocks"]) == 0 and \
             "locality_new_blocks" not in raw:
         values["locality_new_blocks"] = 0  # the limit belongs to the constraint: off with it
+    if "block_score" not in raw and {"method", "locality_blocks", "block_filter"} & set(raw):
+        values["block_score"] = "auto"  # the server's label_max may not apply to the request's
     for key in ("locality_blocks", "locality_new_blocks"):
         if key in raw and (isinstance(raw[key], bool) or not isinstance(raw[key], int)):
             raise ValueError(f"custom_params.{OVERRIDE_KEY}.{key} must be an integer, "
@@ -104,15 +107,40 @@ _TABLE_ATTR = "_sglang_ext_sparsity"
 def record(req_to_token_pool: Any, reqs: list, base: SparseConfig) -> None:
     """Remember each request's sparsity under its row (called when rows are handed out)."""
     table = _table(req_to_token_pool)
+    overriding = _overriding_rows(req_to_token_pool)
+    server_default = selection_params(base)
     for req in reqs:
         if req.req_pool_idx is not None:
-            table[req.req_pool_idx] = parse_override(req.sampling_params.custom_params, base)
+            sparsity = parse_override(req.sampling_params.custom_params, base)
+            table[req.req_pool_idx] = sparsity
+            if sparsity != server_default:
+                overriding.add(req.req_pool_idx)
+            else:
+                overriding.discard(req.req_pool_idx)
 
 
 def forget(req_to_token_pool: Any, row: Optional[int]) -> None:
     if row is not None:
         _table(req_to_token_pool).pop(row, None)
+        _overriding_rows(req_to_token_pool).discard(row)
         row_state(req_to_token_pool).pop(row, None)
+
+
+def has_overriding_rows(req_to_token_pool: Any) -> bool:
+    """Whether a request that decodes with other settings than the server's holds a row (the
+    batched decode then runs eagerly, in groups: attention/mixed_settings.py)."""
+    return bool(_overriding_rows(req_to_token_pool))
+
+
+_OVERRIDING_ATTR = "_sglang_ext_overriding_rows"
+
+
+def _overriding_rows(req_to_token_pool: Any) -> set[int]:
+    rows = getattr(req_to_token_pool, _OVERRIDING_ATTR, None)
+    if rows is None:
+        rows = set()
+        setattr(req_to_token_pool, _OVERRIDING_ATTR, rows)
+    return rows
 
 
 _STATE_ATTR = "_sglang_ext_row_state"

@@ -29,6 +29,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_ext.attention import request_overrides
+from sglang_ext.attention.mixed_settings import MixedSettingsDecode, RowGroup, group_rows
 from sglang_ext.attention.request_overrides import RequestSparsity
 from sglang_ext.config import SparseConfig
 from sglang_ext.memory_tier.tiered_pool import TieredPool
@@ -186,6 +187,8 @@ class SparseDecodeBackend(AttentionBackend):
                              "models (latent KV pool) yet")
         self._dense: Optional[AttentionBackend] = None
         self.decode_metadata: Optional[DecodeMetadata] = None
+        self.row_groups: Optional[list[RowGroup]] = None  # a step's rows by setting, if mixed
+        self._mixed: Optional[MixedSettingsDecode] = None
         self.default_params = request_overrides.selection_params(config)
         # The accuracy guard (--sparse-guard-every): per-request budgets between the configured
         # one and its maximum; the batched kernels run in a workspace sized for the maximum.
@@ -494,6 +497,14 @@ class SparseDecodeBackend(AttentionBackend):
             if mode.is_idle() or self.impl == "triton":
                 # The kernels read req_pool_indices / seq_lens from the batch on the device.
                 self.decode_metadata = None
+                self.row_groups = None
+                if not mode.is_idle() and request_overrides.has_overriding_rows(
+                        self.req_to_token_pool):
+                    # rows with their own settings: an eager step in groups (mixed_settings)
+                    self.row_groups = group_rows(
+                        [request_overrides.lookup(self.req_to_token_pool, row,
+                                                  self.default_params)
+                         for row in forward_batch.req_pool_indices.tolist()], self.device)
                 if self.guard is not None and not mode.is_idle():
                     self._guard_step_control()
                 if self.locality is not None and not mode.is_idle():
@@ -847,6 +858,16 @@ class SparseDecodeBackend(AttentionBackend):
         k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_buffer = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         req_to_token = self.req_to_token_pool.req_to_token
+        if self.row_groups is not None:
+            k_scale, v_scale = _kv_read_scales(layer)
+            out = self._mixed_settings().decode(
+                self.row_groups, q, k_buffer, v_buffer, req_to_token,
+                forward_batch.req_pool_indices, forward_batch.seq_lens,
+                self.summaries.kmin[layer_index], self.summaries.kmax[layer_index],
+                layer.scaling, channels=channels,
+                labels=None if self.labels is None else self.labels[layer_index],
+                k_scale=k_scale, v_scale=v_scale)
+            return out.reshape(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
         tier_args: dict[str, Any] = {}
         tier = self.tiered.tier if self.tiered is not None else None
         if self.cooperative is not None:  # eager sync tier (patches/server_args.py)
@@ -915,6 +936,16 @@ class SparseDecodeBackend(AttentionBackend):
             if layer.layer_id == self.token_to_kv_pool.end_layer - 1:
                 tier.finish_step()  # the fence: this step's prefetches land before the next
         return out.reshape(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+
+    def _mixed_settings(self) -> MixedSettingsDecode:
+        if self._mixed is None:
+            pool = self.token_to_kv_pool
+            _, num_kv_heads, head_dim_v = pool.get_value_buffer(pool.start_layer).shape
+            self._mixed = MixedSettingsDecode(
+                self._rank_q_heads(), num_kv_heads, head_dim_v,
+                -(-self.req_to_token_pool.req_to_token.shape[1] // self.config.block_size),
+                self.device, self.model_runner.dtype, self._topk_radix_bits)
+        return self._mixed
 
     def _ensure_workspace(self, batch: int) -> Any:
         """Scratch that fits `batch`. Workspaces are never freed or replaced: captured CUDA

@@ -25,6 +25,12 @@ METHODS = ("quest", "ds", "two_level")
 # How two_level ranks the tokens of its kept blocks: by label score (Double Sparsity), or by
 # estimated contribution to the output with the budget shared among the kv heads (Fluxion).
 SCORINGS = ("score", "output_aware")
+# How two_level's block filter ranks blocks: "bound" by Quest's upper bound of q·k from the key
+# min/max summaries, or "label_max" by the largest label score (Double Sparsity's token score)
+# of the block's middle positions. On real weights at 16- and 32-token blocks the bound keeps
+# the needle's block about half the time, the label maximum about as often as token-level
+# selection over the whole context (benchmarks/block_filter_study.py).
+BLOCK_SCORES = ("bound", "label_max")
 # How the label cache stores the label channels: "auto" in the KV cache's dtype (exact), or
 # "fp8_e4m3" (one byte each: half the memory and token-scoring reads of bf16 labels).
 LABEL_DTYPES = ("auto", "fp8_e4m3")
@@ -113,6 +119,7 @@ class SelectionParams:
     the previous step's block filter (0 = no limit), which bounds a host tier's transfers.
     ``block_filter`` (quest, two_level): "async" ranks the blocks with the previous step's query
     and length (AsyncTLS's asynchronous filter; ``select_token_mask``'s ``block_query``).
+    ``block_score`` (two_level): how the block filter ranks blocks, see :data:`BLOCK_SCORES`.
     ``label_dtype`` / ``summary_dtype``: how the server stores the label channels and the page
     summaries (:data:`LABEL_DTYPES`, :data:`SUMMARY_DTYPE_NAMES`); the reference scores the
     values as stored, so that it selects what the kernels select.
@@ -132,6 +139,7 @@ class SelectionParams:
     block_filter: str = "sync"
     label_dtype: str = "auto"
     summary_dtype: str = "auto"
+    block_score: str = "bound"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -163,6 +171,10 @@ class SelectionParams:
         if self.summary_dtype not in SUMMARY_DTYPE_NAMES:
             raise ValueError(f"summary_dtype must be one of {SUMMARY_DTYPE_NAMES}, got "
                              f"{self.summary_dtype!r}")
+        if self.block_score not in BLOCK_SCORES or (
+                self.block_score != "bound" and self.method != "two_level"):
+            raise ValueError(f"block_score must be one of {BLOCK_SCORES} (label_max: two_level), "
+                             f"got {self.block_score!r} with {self.method!r}")
         if self.method == "two_level" and self.candidate_blocks < 1:
             raise ValueError(
                 f"two_level needs candidate_blocks >= 1, got {self.candidate_blocks}"
@@ -213,6 +225,16 @@ def quest_block_scores(q: Tensor, kmin: Tensor, kmax: Tensor) -> Tensor:
     kmax_t = kmax.float().permute(1, 2, 0)
     bound = torch.bmm(qg.clamp(min=0), kmax_t) + torch.bmm(qg.clamp(max=0), kmin_t)
     return bound.amax(dim=1)
+
+
+def label_max_block_scores(scores: Tensor, offset: int, block_size: int) -> Tensor:
+    """Each block's largest token score: ``[Hkv, NB]`` from the scores ``[Hkv, M]`` of the
+    positions ``offset .. offset + M`` (blocks aligned at absolute positions; positions outside
+    the scored span count as ``-inf``)."""
+    head = offset % block_size
+    tail = (-(offset + scores.shape[1])) % block_size
+    padded = torch.nn.functional.pad(scores, (head, tail), value=float("-inf"))
+    return padded.reshape(scores.shape[0], -1, block_size).amax(dim=2)
 
 
 def label_token_scores(q: Tensor, keys: Tensor, channels: Tensor | None,
@@ -294,13 +316,22 @@ def _select_middle(
     first, last = lo // bs, (block_hi - 1) // bs  # candidate blocks: those overlapping M
     num_cand = max(last - first + 1, 0)
     block_of_pos = torch.arange(lo, hi, device=keys.device) // bs - first
-    if num_cand:
+    token_scores = None
+    if num_cand and params.block_score == "label_max":
+        # the largest label score of each block's middle positions
+        block_token_scores = label_token_scores(block_q, keys[lo:block_hi], channels,
+                                                params.label_dtype)
+        block_scores = label_max_block_scores(block_token_scores, lo, bs)
+        if block_query is None:
+            token_scores = block_token_scores  # the same query and span: no second pass
+    elif num_cand:
         # The slice starts on a block boundary, so its blocks are exactly the candidate blocks,
         # summarised over all their positions (sink/window ones included), like the KV pool
         # pages.
         summaries = block_minmax(keys[first * bs : (last + 1) * bs], bs)
         block_scores = quest_block_scores(block_q,
                                           *round_summaries(*summaries, params.summary_dtype))
+    if num_cand:
         if params.method == "quest":
             num_kept = n_sel // bs  # whole blocks only, so the budget is never exceeded
         else:
@@ -317,8 +348,9 @@ def _select_middle(
     # two_level: token top-k restricted to the kept blocks. Excluded positions score -inf, so
     # they only fill slots when the kept blocks hold fewer than n_sel positions; `& in_kept`
     # drops them.
-    scores = label_token_scores(q, keys[lo:hi], channels, params.label_dtype).masked_fill(
-        ~in_kept, float("-inf"))
+    if token_scores is None:
+        token_scores = label_token_scores(q, keys[lo:hi], channels, params.label_dtype)
+    scores = token_scores.masked_fill(~in_kept, float("-inf"))
     if params.scoring == "output_aware":
         if values is None:
             raise ValueError("output_aware scoring needs the values")
@@ -629,7 +661,10 @@ class BatchedSparseDecode:
         is_two = torch.tensor([self.params[i].method == "two_level" for i in members], device=dev)
         cands = torch.tensor([self.params[i].candidate_blocks for i in members], device=dev)
         num_kept = torch.where(is_two, torch.minimum(cands, num_cand), kept)
+        label_max = torch.tensor([self.params[i].block_score == "label_max" for i in members],
+                                 dtype=torch.bool, device=dev)
         return {"bs": bs, "members": b, "binv": binv, "block_u": inv_g[rep], "cand": cand,
+                "label_max": label_max,
                 "num_kept": num_kept, "block_of_pos": torch.arange(self.max_len, device=dev) // bs}
 
     def _pairwise_max(self, qg: Tensor, keys_t: Tensor, idx: Tensor) -> Tensor:
@@ -678,14 +713,23 @@ class BatchedSparseDecode:
 
         for g in self.block_groups:
             b = g["members"]
-            kb = ku.index_select(0, g["block_u"].reshape(-1)).view(*g["block_u"].shape, *ku.shape[1:])  # [UB, bs, Hkv, D]
-            kmin, kmax = round_summaries(kb.amin(dim=1).float(), kb.amax(dim=1).float(),
-                                         self.summary_dtype)
-            kmin = kmin.permute(1, 2, 0)  # [Hkv, D, UB]
-            kmax = kmax.permute(1, 2, 0)
-            qb = qg.view(num_kv, batch, group, dim)[:, b].reshape(num_kv, -1, dim)
-            bound = self._bound(qb, kmin, kmax, g["binv"])  # [Hkv, Bg, NB]
-            bound = bound.transpose(0, 1).masked_fill(~g["cand"][:, None], neg_inf)  # [Bg, Hkv, NB]
+            by_label_max = g["label_max"]
+            bound = None
+            if not bool(by_label_max.all()):
+                kb = ku.index_select(0, g["block_u"].reshape(-1)).view(*g["block_u"].shape, *ku.shape[1:])  # [UB, bs, Hkv, D]
+                kmin, kmax = round_summaries(kb.amin(dim=1).float(), kb.amax(dim=1).float(),
+                                             self.summary_dtype)
+                kmin = kmin.permute(1, 2, 0)  # [Hkv, D, UB]
+                kmax = kmax.permute(1, 2, 0)
+                qb = qg.view(num_kv, batch, group, dim)[:, b].reshape(num_kv, -1, dim)
+                bound = self._bound(qb, kmin, kmax, g["binv"]).transpose(0, 1)  # [Bg, Hkv, NB]
+            if bool(by_label_max.any()):
+                middle = tok_scores[b].masked_fill(~self.middle[b][:, None], neg_inf)
+                label_max = label_max_block_scores(middle.reshape(-1, self.max_len), 0,
+                                                   g["bs"]).view(len(b), num_kv, -1)
+                bound = label_max if bound is None else torch.where(
+                    by_label_max[:, None, None], label_max, bound)
+            bound = bound.masked_fill(~g["cand"][:, None], neg_inf)  # [Bg, Hkv, NB]
             kept = _top_k_rows(bound.reshape(-1, bound.shape[-1]),
                                g["num_kept"].repeat_interleave(num_kv)).view(bound.shape)
             in_kept = kept[:, :, g["block_of_pos"]] & self.middle[b][:, None]  # [Bg, Hkv, Lmax]

@@ -1,0 +1,195 @@
+"""The accuracy suite on GPU servers: the served configuration (``--sparse-impl triton``, CUDA
+graphs) on a real model, at budgets that are fractions of the context.
+
+    python -m benchmarks.accuracy.gpu_suite --model-dir /tmp/smollm2 --samples 50
+
+For each server configuration (block size x storage) one SGLang server starts with our
+backend; every context runs the suite's tasks with dense attention and each method at
+``context / ratio`` tokens, all as per-request settings on that one server (requests with
+settings other than the server's decode eagerly in groups; see
+sglang_ext/attention/mixed_settings.py). Per configuration the driver's files
+(``<out-dir>/smollm2_b<bs>_<storage>.json/.md/.png``) hold the rows; ``--combined`` gathers
+every configuration's rows, tagged with impl / block_size / storage, into one file with a plot
+of score against the budget's share of the context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Optional, Sequence
+
+import requests
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+STORAGE_ARGS = {
+    "bf16": [],
+    # the fp8 server: KV cache, label cache and page summaries in fp8
+    "fp8": ["--kv-cache-dtype", "fp8_e4m3", "--sparse-label-dtype", "fp8_e4m3",
+            "--sparse-summary-dtype", "fp8_e4m3"],
+}
+DEFAULT_TASKS = ("passkey", "niah_number", "niah_multikey", "niah_multivalue", "var_tracking",
+                 "common_words")
+
+
+def launch_args(model_dir: str, block_size: int, storage: str, port: int,
+                context_length: int) -> list[str]:
+    labels = os.path.join(model_dir, "sparse_labels.json")
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--context-length", str(context_length), "--mem-fraction-static", "0.5",
+            "--sampling-backend", "pytorch", "--grammar-backend", "none",
+            "--cuda-graph-max-bs", "64", "--max-running-requests", "128",
+            "--attention-backend", "sglang_ext", "--sparse-impl", "triton",
+            "--page-size", str(block_size), "--sparse-block-size", str(block_size),
+            "--sparse-label-config", labels, *STORAGE_ARGS[storage]]
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}")
+        try:
+            if requests.get(url + "/health_generate", timeout=30).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"server not healthy after {timeout:.0f}s")
+
+
+def run_config(args: argparse.Namespace, block_size: int, storage: str) -> str:
+    """One server: the suite at every context; returns the results file."""
+    from benchmarks.accuracy import driver
+
+    out = os.path.join(args.out_dir, f"smollm2_b{block_size}_{storage}.json")
+    port = 30000 + block_size + (1 if storage == "fp8" else 0)
+    log_path = os.path.join(args.out_dir, f"server_b{block_size}_{storage}.log")
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            launch_args(args.model_dir, block_size, storage, port, args.context_length),
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            t0 = time.time()
+            wait_healthy(f"http://127.0.0.1:{port}", process, args.start_timeout)
+            print(f"[gpu-suite] b{block_size} {storage}: healthy in {time.time() - t0:.0f}s",
+                  flush=True)
+            for context in args.contexts:
+                budgets = sorted({max(2, context // r) for r in args.ratios})
+                driver.main(["--server-url", f"http://127.0.0.1:{port}", "--tasks", *args.tasks,
+                             "--contexts", str(context), "--budgets", *map(str, budgets),
+                             "--methods", *args.methods, "--samples", str(args.samples),
+                             "--block-size", str(block_size), "--parallel", str(args.parallel),
+                             "--out", out, "--time-limit", str(args.minutes_per_context)])
+        finally:
+            os.killpg(process.pid, 15)
+            process.wait(timeout=60)
+    return out
+
+
+def combine(paths: Sequence[str], out: str) -> dict:
+    """Every configuration's rows, tagged, in one file (and its plot)."""
+    rows, configs = [], []
+    for path in paths:
+        with open(path) as f:
+            doc = json.load(f)
+        stem = os.path.basename(path)[len("smollm2_b"):-len(".json")]
+        block_size, storage = stem.split("_")
+        configs.append({"file": os.path.basename(path), "commit": doc.get("commit"),
+                        "server": doc.get("config", {}).get("server")})
+        for r in doc["rows"]:
+            rows.append({"impl": "triton", "block_size": int(block_size), "storage": storage,
+                         "budget_share": (r["budget"] / r["context"]) if r["budget"] else None,
+                         **{k: r.get(k) for k in ("method", "context", "budget", "task",
+                                                  "score", "n", "ci_low", "ci_high",
+                                                  "dense_score")}})
+    doc = {"model": "SmolLM2-135M-Instruct", "configs": configs, "rows": rows}
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    plot(doc, out[:-len(".json")] + ".png")
+    return doc
+
+
+def plot(doc: dict, path: str) -> None:
+    """Mean score over the tasks against the budget's share of the context, per method and
+    configuration, one panel per context; dense as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc["rows"]
+    contexts = sorted({r["context"] for r in rows})
+    configs = sorted({(r["block_size"], r["storage"]) for r in rows})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(4.2 * len(contexts), 3.6), squeeze=False,
+                             sharey=True, layout="constrained")
+    for ax, ctx in zip(axes[0], contexts):
+        at = [r for r in rows if r["context"] == ctx]
+        dense = [r["score"] for r in at if r["method"] == "dense"]
+        if dense:
+            ax.axhline(sum(dense) / len(dense), color="black", ls="--", lw=1, label="dense")
+        for bs, storage in configs:
+            for method in sorted({r["method"] for r in at if r["budget"]}):
+                pts: dict = {}
+                for r in at:
+                    if (r["method"], r["block_size"], r["storage"]) == (method, bs, storage):
+                        pts.setdefault(r["budget_share"], []).append(r["score"])
+                xs = sorted(pts)
+                ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], marker="o", ms=3,
+                        label=f"{method} b{bs} {storage}")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"context {ctx}", fontsize=9)
+        ax.set_xlabel("budget / context", fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("mean score over tasks", fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=7, frameon=False)
+    fig.suptitle(f"{doc['model']} on the GPU path (Triton, CUDA graphs)", fontsize=9)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-dir", required=True, help="a converted model with sparse_labels.json")
+    p.add_argument("--block-sizes", nargs="+", type=int, default=[32, 16])
+    p.add_argument("--storages", nargs="+", default=["bf16"], choices=list(STORAGE_ARGS))
+    p.add_argument("--contexts", nargs="+", type=int, default=[2048, 4096, 8000])
+    p.add_argument("--ratios", nargs="+", type=int, default=[16, 32, 64],
+                   help="budgets are context / ratio")
+    p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS))
+    p.add_argument("--methods", nargs="+", default=["two_level", "two_level_bound", "ds"])
+    p.add_argument("--samples", type=int, default=50)
+    p.add_argument("--parallel", type=int, default=16)
+    p.add_argument("--context-length", type=int, default=8192)
+    p.add_argument("--start-timeout", type=float, default=400.0)
+    p.add_argument("--minutes-per-context", type=float, default=3.0)
+    p.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results", "accuracy"))
+    p.add_argument("--combined", default=None,
+                   help="also gather every configuration's rows into this JSON (+ .png)")
+    args = p.parse_args(argv)
+    os.environ["SGLANG_EXT_MODEL_DIR"] = args.model_dir  # the driver's tokenizer
+    os.makedirs(args.out_dir, exist_ok=True)
+    done = []
+    for block_size in args.block_sizes:
+        for storage in args.storages:
+            try:
+                done.append(run_config(args, block_size, storage))
+            except Exception as e:  # noqa: BLE001 - one failed server must not lose the others
+                print(f"[gpu-suite] b{block_size} {storage} failed: {e}", file=sys.stderr,
+                      flush=True)
+    if args.combined and done:
+        combine(done, args.combined)
+    return 0 if len(done) == len(args.block_sizes) * len(args.storages) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""Which block filter keeps the needle? Needle tasks on the real model, every variant decoded
+from one shared prefill (research harness; CPU float32 through transformers).
+
+Each sample's prompt is prefilled densely once; the cache is repeated once per variant and the
+variants decode greedily side by side, each attending what its selection picks at every layer.
+Scores are the suite's (``benchmarks.accuracy.tasks.score``), with Wilson intervals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks.accuracy import tasks as T  # noqa: E402
+from benchmarks.accuracy.runner import shrunk_sink_window  # noqa: E402
+from sglang_ext.selection.reference import (  # noqa: E402
+    _top_k_mask,
+    label_token_scores,
+    sparse_attention,
+)
+
+ATTN_NAME = "sglang_ext_block_filter_study"
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    kind: str  # dense | ds | two_level
+    block_size: int = 16
+    cand_scale: float = 2.0  # candidate blocks = scale x the blocks the budget's middle fills
+    sub_block: int = 0  # summary granularity inside a page (0 = the page)
+    summary_channels: str = "all"  # all | labels
+    dense_layers: int = 0  # the first layers attend densely (as Quest and Double Sparsity do)
+
+
+def group_queries(q: Tensor, hkv: int) -> Tensor:
+    return q.float().reshape(hkv, q.shape[0] // hkv, q.shape[1])
+
+
+def page_scores(q: Tensor, keys: Tensor, first: int, last: int, v: Variant,
+                channels: Optional[Tensor]) -> Tensor:
+    """[Hkv, pages]: each page's score = max over its sub-blocks of the Quest bound."""
+    bs = v.block_size
+    sub = v.sub_block or bs
+    hkv = keys.shape[1]
+    k = keys[first * bs:(last + 1) * bs].float()  # [L, Hkv, D]
+    qg = group_queries(q, hkv)  # [Hkv, G, D]
+    if v.summary_channels == "labels":
+        k = k.gather(2, channels[None].expand(k.shape[0], -1, -1))
+        qg = qg.gather(2, channels[:, None, :].expand(-1, qg.shape[1], -1))
+    n = k.shape[0]
+    pad = (-n) % sub
+    kmin = torch.cat([k, k[-1:].expand(pad, -1, -1)]) if pad else k
+    kmin = kmin.reshape(-1, sub, hkv, k.shape[2])
+    kmax, kmin = kmin.amax(1), kmin.amin(1)  # [S, Hkv, d]
+    bound = (torch.bmm(qg.clamp(min=0), kmax.permute(1, 2, 0))
+             + torch.bmm(qg.clamp(max=0), kmin.permute(1, 2, 0))).amax(1)  # [Hkv, S]
+    per_page = bs // sub
+    s = bound.shape[1]
+    pad = (-s) % per_page
+    if pad:
+        bound = torch.cat([bound, bound.new_full((hkv, pad), float("-inf"))], 1)
+    return bound.reshape(hkv, -1, per_page).amax(2)
+
+
+def select(q: Tensor, keys: Tensor, v: Variant, budget: int, sink: int, window: int,
+           channels: Optional[Tensor]) -> Tensor:
+    length, hkv = keys.shape[:2]
+    mask = torch.ones(hkv, length, dtype=torch.bool)
+    if v.kind == "dense" or length <= budget:
+        return mask
+    lo, hi = sink, length - window
+    n_sel = budget - sink - window
+    mask[:, lo:hi] = False
+    if v.kind == "ds":
+        mask[:, lo:hi] = _top_k_mask(label_token_scores(q, keys[lo:hi], channels), n_sel)
+        return mask
+    bs = v.block_size
+    first, last = lo // bs, (hi - 1) // bs
+    num_cand = last - first + 1
+    kept = _top_k_mask(page_scores(q, keys, first, last, v, channels),
+                       min(num_cand, max(1, round(v.cand_scale * -(-n_sel // bs)))))
+    in_kept = kept[:, torch.arange(lo, hi) // bs - first]
+    scores = label_token_scores(q, keys[lo:hi], channels).masked_fill(~in_kept, float("-inf"))
+    mask[:, lo:hi] = _top_k_mask(scores, n_sel) & in_kept
+    return mask
+
+
+class StudyAttention:
+    def __init__(self, channels: Optional[Tensor]):
+        self.channels = channels
+        self.variants: list[Variant] = []
+        self.budget = self.sink = self.window = 0
+
+    def __call__(self, module: Any, query: Tensor, key: Tensor, value: Tensor,
+                 attention_mask: Optional[Tensor], scaling: Optional[float] = None,
+                 dropout: float = 0.0, **kwargs: Any):
+        if query.shape[2] != 1:
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+            return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                          dropout=dropout, scaling=scaling, **kwargs)
+        ch = None if self.channels is None else self.channels[module.layer_idx]
+        out = query.new_empty(query.shape[0], 1, query.shape[1], value.shape[-1])
+        for b, v in enumerate(self.variants):
+            q = query[b, :, 0]
+            keys, values = key[b].transpose(0, 1), value[b].transpose(0, 1)
+            if module.layer_idx < v.dense_layers:
+                mask = torch.ones(keys.shape[1], keys.shape[0], dtype=torch.bool)
+            else:
+                mask = select(q, keys, v, self.budget, self.sink, self.window, ch)
+            out[b, 0] = sparse_attention(q, keys, values, mask, scaling)
+        return out, None
+
+
+def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return 0.0, 0.0
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return 100 * max(0.0, c - h), 100 * min(1.0, c + h)
+
+
+def parse_variant(text: str) -> Variant:
+    """dense | ds[:dN] | two_level:BS[:xSCALE][:sSUB][:labels][:dN]"""
+    parts = text.split(":")
+    kw: dict = {}
+    if parts[0] in ("dense", "ds"):
+        rest = parts[1:]
+    else:
+        kw["block_size"] = int(parts[1])
+        rest = parts[2:]
+    for p in rest:
+        if p.startswith("d"):
+            kw["dense_layers"] = int(p[1:])
+            continue
+        if p.startswith("x"):
+            kw["cand_scale"] = float(p[1:])
+        elif p.startswith("s"):
+            kw["sub_block"] = int(p[1:])
+        elif p == "labels":
+            kw["summary_channels"] = "labels"
+        else:
+            raise ValueError(f"bad variant part {p!r} in {text!r}")
+    return Variant(text, parts[0] if parts[0] in ("dense", "ds") else "two_level", **kw)
+
+
+@torch.inference_mode()
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model-dir", default=os.environ.get("SGLANG_EXT_MODEL_DIR", ".models/smollm2"))
+    ap.add_argument("--label-config", default=None)
+    ap.add_argument("--label-channels", type=int, default=16)
+    ap.add_argument("--tasks", nargs="+", default=["passkey", "niah_number"])
+    ap.add_argument("--contexts", nargs="+", type=int, default=[3072])
+    ap.add_argument("--budget-ratio", type=float, default=0.0, help="budget = context x this")
+    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--samples", type=int, default=10)
+    ap.add_argument("--variants", nargs="+", default=["dense", "ds", "two_level:16", "two_level:32"])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from sglang_ext.selection.calibrate import load_label_config
+
+    with open(os.path.join(args.model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    label_config = args.label_config or os.path.join(args.model_dir, "sparse_labels.json")
+    channels = load_label_config(label_config, num_layers=cfg["num_hidden_layers"],
+                                 num_kv_heads=cfg["num_key_value_heads"],
+                                 head_dim=cfg["head_dim"])[..., :args.label_channels]
+    hook = StudyAttention(channels)
+    AttentionInterface.register(ATTN_NAME, hook)
+    tok = T.load_tokenizer(args.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32,
+                                                 attn_implementation=ATTN_NAME).eval()
+    variants = [parse_variant(v) for v in args.variants]
+    hook.variants = variants
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    samples = T.make_samples(args.tasks, args.contexts, args.samples, tok)
+    hits: dict = {}
+    t0 = time.time()
+    for s in tqdm(samples, desc="samples"):
+        budget = int(s.context * args.budget_ratio) if args.budget_ratio else args.budget
+        hook.budget = budget
+        hook.sink, hook.window = shrunk_sink_window(budget)
+        from transformers import DynamicCache
+        ids = tok(s.prompt, add_special_tokens=False)["input_ids"]
+        cache = DynamicCache()
+        out = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        cache.batch_repeat_interleave(len(variants))
+        nxt = out.logits[:, -1].argmax(-1).repeat(len(variants))
+        gen = [[int(nxt[0])] for _ in variants]
+        for _ in range(s.max_new_tokens - 1):
+            out = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1].float()
+            nxt = logits.argmax(-1)
+            for b in range(len(variants)):
+                gen[b].append(int(nxt[b]))
+        for b, v in enumerate(variants):
+            text = tok.decode([t for t in gen[b] if t not in eos])
+            hits.setdefault((s.task, s.context, budget, v.name), []).append(T.score(s, text))
+    rows = []
+    for (task, ctx, budget, name), xs in hits.items():
+        lo, hi = wilson(sum(xs), len(xs))
+        rows.append({"task": task, "context": ctx, "budget": budget, "variant": name,
+                     "score": 100 * sum(xs) / len(xs), "n": len(xs), "ci_low": lo, "ci_high": hi})
+    for r in rows:
+        print(f"{r['task']:12s} {r['context']:5d} b{r['budget']:<5d} {r['variant']:28s} "
+              f"{r['score']:5.1f} [{r['ci_low']:.0f},{r['ci_high']:.0f}] n={r['n']}")
+    print(f"{time.time() - t0:.0f} s")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"rows": rows, "args": vars(args)}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
