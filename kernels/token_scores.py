@@ -17,6 +17,8 @@ With ``cand=None`` every block ``0 .. num_blocks-1`` is a candidate (candidate `
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -73,6 +75,8 @@ def _label_token_scores_kernel(
     WRITE_CAND_SLOTS: tl.constexpr,
     WRITE_CAND_POS: tl.constexpr,
     BLOCK_MAX: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -124,16 +128,32 @@ def _label_token_scores_kernel(
         K_BUFFER + slot[:, None] * stride_kn + g * stride_kh + k_col[None, :],
         mask=valid[:, None] & rmask[None, :],
         other=0.0,
-    ).to(tl.float32)  # [BLOCK_T, BLOCK_CH]
+    )  # [BLOCK_T, BLOCK_CH], as stored
 
-    score = tl.full([BLOCK_T], float("-inf"), tl.float32)
-    for hh in tl.static_range(GROUP):
-        qh = tl.load(
-            Q + b.to(tl.int64) * stride_qb + (g * GROUP + hh) * stride_qh + ch,
-            mask=rmask,
+    if BLOCK_MAX:
+        # every middle token of the tile: one [BLOCK_T, BLOCK_CH] x [BLOCK_CH, GROUP_PAD] GEMM
+        # on the tensor cores (16-bit operands: exact products, fp32 sums), then the group max
+        hh = tl.arange(0, GROUP_PAD)
+        qg = tl.load(
+            Q + b.to(tl.int64) * stride_qb + (g * GROUP + hh[:, None]) * stride_qh + ch[None, :],
+            mask=(hh[:, None] < GROUP) & rmask[None, :],
             other=0.0,
-        ).to(tl.float32)
-        score = tl.maximum(score, tl.sum(k * qh[None, :], axis=1))
+        )
+        if DOT_FP32:
+            s = tl.dot(k.to(tl.float32), tl.trans(qg.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(k.to(qg.dtype), tl.trans(qg))
+        score = tl.max(tl.where((hh < GROUP)[None, :], s, float("-inf")), axis=1)
+    else:
+        k = k.to(tl.float32)
+        score = tl.full([BLOCK_T], float("-inf"), tl.float32)
+        for hh in tl.static_range(GROUP):
+            qh = tl.load(
+                Q + b.to(tl.int64) * stride_qb + (g * GROUP + hh) * stride_qh + ch,
+                mask=rmask,
+                other=0.0,
+            ).to(tl.float32)
+            score = tl.maximum(score, tl.sum(k * qh[None, :], axis=1))
     score = tl.where(valid, score, float("-inf"))
     if BLOCK_MAX:
         # each block's largest middle score (the tile holds whole blocks), not the tokens'
@@ -309,6 +329,8 @@ def _launch_token_scores(
     else:
         num_ch = head_dim
     block_ch = triton.next_power_of_2(num_ch)
+    if block_max:
+        block_ch = max(16, block_ch)  # the GEMM's inner dimension (zero-padded channels)
     # Keep the gathered key tile around 4K elements per program.
     # (measured on the H200 with the label cache: 64-2048 tokens x 1-8 warps all within 3%)
     block_t = max(block_size, min(triton.next_power_of_2(n_tok), max(16, 4096 // block_ch)))
@@ -366,6 +388,10 @@ def _launch_token_scores(
         WRITE_CAND_SLOTS=cand_slots_out is not None,
         WRITE_CAND_POS=cand_positions_out is not None,
         BLOCK_MAX=block_max,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        # fp32 GEMMs for fp32 queries and under the CPU interpreter (which multiplies 16-bit
+        # floats as raw integers); 16-bit tensor-core operands on the GPU
+        DOT_FP32=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=4,
     )
 

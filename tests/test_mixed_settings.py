@@ -70,7 +70,7 @@ def test_dense_slots_cover_each_context():
     gen = case_generator("dense-slots")
     pb = make_paged_batch(gen, [5, 17, 9], 2, 16, 4, summary_chunks=0)
     slots = dense_slots(pb.req_to_token, pb.req_pool_indices, pb.seq_lens, 2)
-    assert slots.shape == (3, 2, 17)
+    assert slots.shape == (3, 2, 256)  # padded: few distinct shapes as rows grow
     for b, length in enumerate([5, 17, 9]):
         row = int(pb.req_pool_indices[b])
         assert torch.equal(slots[b, 0, :length], pb.req_to_token[row, :length].int())

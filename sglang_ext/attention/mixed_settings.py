@@ -60,12 +60,17 @@ def group_rows(sparsity: Sequence[Optional[SelectionParams]], device) -> list[Ro
 
 def dense_slots(req_to_token: Tensor, req_pool_indices: Tensor, seq_lens: Tensor,
                 num_kv_heads: int) -> Tensor:
-    """int32 ``[B, Hkv, max(seq_lens)]``: every position's slot (``-1`` past a row's length),
-    the same for every kv head: what exact attention over the whole context reads."""
-    length = int(seq_lens.max()) if seq_lens.numel() else 0
-    pos = torch.arange(length, device=req_to_token.device)
-    slots = req_to_token[req_pool_indices.long()][:, :length].to(torch.int32)
-    slots = torch.where(pos[None] < seq_lens[:, None], slots, -1)
+    """int32 ``[B, Hkv, K]``: every position's slot (``-1`` past a row's length), the same for
+    every kv head: what exact attention over the whole context reads. ``K`` is the longest
+    row rounded up to a power of two (at least 256), so that the attention kernel meets few
+    distinct shapes as the rows grow (each new one is a compile)."""
+    longest = int(seq_lens.max()) if seq_lens.numel() else 0
+    width = max(256, 1 << max(longest - 1, 0).bit_length())
+    pos = torch.arange(width, device=req_to_token.device)
+    rows = req_to_token[req_pool_indices.long()]
+    if rows.shape[1] < width:
+        rows = torch.nn.functional.pad(rows, (0, width - rows.shape[1]))
+    slots = torch.where(pos[None] < seq_lens[:, None], rows[:, :width], -1).to(torch.int32)
     return slots[:, None, :].expand(-1, num_kv_heads, -1)
 
 
