@@ -186,6 +186,14 @@ def _label_token_scores_kernel(
         )
 
 
+# The label-max launch: tokens (whole blocks) per program and warps. Each program's loads wait
+# on its page lookups; larger programs keep more label bytes in flight per lookup (at 256
+# tokens and 4 warps the kernel read bf16 labels at ~2.7 TB/s and fp8 ones at ~1.3 TB/s at
+# 128k x 32 on the H200, far from the bytes' floor).
+LABEL_MAX_TOKENS = 1024
+LABEL_MAX_WARPS = 8
+
+
 def label_max_block_scores_batched(
     q: Tensor,
     k_buffer: Tensor,
@@ -199,19 +207,23 @@ def label_max_block_scores_batched(
     channels: Tensor | None = None,
     out: Tensor | None = None,
     keys_are_labels: bool = False,
+    tokens_per_program: int = LABEL_MAX_TOKENS,
+    num_warps: int = LABEL_MAX_WARPS,
 ) -> Tensor:
     """The label-max block filter's scores: each block's largest label score over its middle
     tokens, float32 ``[B, Hkv, num_blocks]`` (``-inf`` for blocks with no middle token), what
     :func:`label_token_scores_batched` with ``cand=None`` followed by a max over each block's
     tokens gives, in one pass that writes no token score. Pages must be blocks
     (``page_size == block_size``): a block's tokens are read from its first slot's page.
-    Arguments as for :func:`label_token_scores_batched`."""
+    Arguments as for :func:`label_token_scores_batched`; ``tokens_per_program`` (a power of
+    two, at least the block size) and ``num_warps``: the launch (the result is the same)."""
     if out is None:
         out = torch.empty(q.shape[0], k_buffer.shape[1], num_blocks, dtype=torch.float32,
                           device=q.device)
     _launch_token_scores(q, k_buffer, req_to_token, req_pool_indices, seq_lens, None,
                          block_size, sink, window, channels, num_blocks, out, None, None,
-                         None, keys_are_labels, None, None, block_max=True)
+                         None, keys_are_labels, None, None, block_max=True,
+                         block_t=max(block_size, tokens_per_program), num_warps=num_warps)
     return out
 
 
@@ -303,6 +315,7 @@ def _launch_token_scores(
     channels: Tensor | None, num_cand: int, scores_out: Tensor, positions_out: Tensor | None,
     page_map: Tensor | None, forced_blocks: Tensor | None, keys_are_labels: bool,
     cand_slots_out: Tensor | None, cand_positions_out: Tensor | None, block_max: bool,
+    block_t: int | None = None, num_warps: int = 4,
 ) -> None:
     """One launch of the token-score kernel over ``num_cand`` candidates (blocks), into
     ``scores_out`` (per token, or per block with ``block_max``)."""
@@ -333,7 +346,9 @@ def _launch_token_scores(
         block_ch = max(16, block_ch)  # the GEMM's inner dimension (zero-padded channels)
     # Keep the gathered key tile around 4K elements per program.
     # (measured on the H200 with the label cache: 64-2048 tokens x 1-8 warps all within 3%)
-    block_t = max(block_size, min(triton.next_power_of_2(n_tok), max(16, 4096 // block_ch)))
+    if block_t is None:
+        block_t = max(block_size, min(triton.next_power_of_2(n_tok), max(16, 4096 // block_ch)))
+    block_t = min(block_t, max(block_size, triton.next_power_of_2(n_tok)))
     for extra in (cand_slots_out, cand_positions_out):
         if extra is not None and (extra.dtype != torch.int32 or extra.shape != scores_out.shape
                                   or extra.stride() != scores_out.stride()):
@@ -392,7 +407,7 @@ def _launch_token_scores(
         # fp32 GEMMs for fp32 queries and under the CPU interpreter (which multiplies 16-bit
         # floats as raw integers); 16-bit tensor-core operands on the GPU
         DOT_FP32=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=4,
+        num_warps=num_warps,
     )
 
 

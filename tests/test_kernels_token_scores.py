@@ -113,7 +113,8 @@ def test_gpu_real_shapes(use_channels):
     _check(pb, q, cand, channels, sink=16, window=64, atol=1e-3)
 
 
-def _check_label_max(pb, q, channels, sink, window, labels=None, rtol=1e-5, atol=1e-4):
+def _check_label_max(pb, q, channels, sink, window, labels=None, rtol=1e-5, atol=1e-4,
+                     **launch):
     """label_max_block_scores_batched against its torch reference and, request by request,
     the selection reference's label_max_block_scores over the middle."""
     bs = pb.page_size
@@ -122,10 +123,10 @@ def _check_label_max(pb, q, channels, sink, window, labels=None, rtol=1e-5, atol
     out = torch.full((q.shape[0], pb.k_buffer.shape[1], pb.max_blocks), float("nan"),
                      device=q.device)
     if labels is None:
-        got = label_max_block_scores_batched(*args, channels=channels, out=out)
+        got = label_max_block_scores_batched(*args, channels=channels, out=out, **launch)
     else:
         got = label_max_block_scores_batched(q, labels, *args[2:], channels=channels, out=out,
-                                             keys_are_labels=True)
+                                             keys_are_labels=True, **launch)
     assert got.data_ptr() == out.data_ptr() and not got.isnan().any(), "unwritten entries"
     ref = label_max_block_scores_batched_ref(*args, channels=channels)
     finite = ref.isfinite()
@@ -160,8 +161,9 @@ def test_label_max_block_scores(hq, hkv, use_channels):
     _check_label_max(pb, q, channels, sink, window)
 
 
+@pytest.mark.parametrize("tokens_per_program", [1024, 16], ids=["one_tile", "two_blocks"])
 @pytest.mark.parametrize("label_dtype", [None, torch.float8_e4m3fn], ids=["kv", "fp8"])
-def test_label_max_block_scores_from_label_cache(label_dtype):
+def test_label_max_block_scores_from_label_cache(label_dtype, tokens_per_program):
     """The same scores from the label cache (the channels stored contiguously), as the server
     reads them; fp8 labels as stored (the reference scores the rounded keys)."""
     bs, head_dim, hq, hkv, r = 8, 32, 6, 2, 5
@@ -181,7 +183,7 @@ def test_label_max_block_scores_from_label_cache(label_dtype):
         index = channels[None].expand(stored.shape[0], -1, -1)
         stored.scatter_(2, index, labels.float())
         pb.k_buffer.copy_(stored.to(pb.k_buffer.dtype))
-    _check_label_max(pb, q, channels, 2, 6, labels=labels)
+    _check_label_max(pb, q, channels, 2, 6, labels=labels, tokens_per_program=tokens_per_program)
 
 
 @gpu
