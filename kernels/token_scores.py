@@ -186,12 +186,13 @@ def _label_token_scores_kernel(
         )
 
 
-# The label-max launch: tokens (whole blocks) per program and warps. Each program's loads wait
-# on its page lookups; larger programs keep more label bytes in flight per lookup (at 256
-# tokens and 4 warps the kernel read bf16 labels at ~2.7 TB/s and fp8 ones at ~1.3 TB/s at
-# 128k x 32 on the H200, far from the bytes' floor).
-LABEL_MAX_TOKENS = 1024
-LABEL_MAX_WARPS = 8
+# The label-max launch: tokens (whole blocks) per program and warps. At 128k x 32, 16 bf16
+# label channels, 256 and 1024 tokens with 4 warps were the fastest (404 / 402 us; 8 warps
+# 468-653 us, 4096 tokens 584-1196 us: benchmarks/results/label_max_launch_h200.json). The
+# kernel reads ~2.7 TB/s of bf16 labels, and fp8 labels are no faster (416 us): it is bound
+# by its instructions per token, not by the labels' bytes.
+LABEL_MAX_TOKENS = 256
+LABEL_MAX_WARPS = 4
 
 
 def label_max_block_scores_batched(
