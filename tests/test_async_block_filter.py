@@ -111,7 +111,8 @@ def _decode_inputs(table, rows, lens, gen, device):
 
 
 def _check_step(backend, pool, table, batch, per_layer, outs, block_q, block_lens):
-    params = dataclasses.replace(backend.kernel_params, block_filter="sync")
+    # the asynchronous filter ranks blocks by the bound (server-wide or asked for by a request)
+    params = dataclasses.replace(backend.kernel_params, block_filter="sync", block_score="bound")
     for layer_id, ((q, _, _), out) in enumerate(zip(per_layer, outs)):
         want, _, _ = sparse_decode_batched_ref(
             q.view(-1, HQ, D), pool.k[layer_id], pool.v[layer_id], table,

@@ -11,6 +11,7 @@ from sglang_ext.kernels.testing import (
 )
 from sglang_ext.kernels.label_cache import allocate_label_cache, update_label_cache
 from sglang_ext.kernels.token_scores import (
+    _pages_are_runs,
     label_max_block_scores_batched,
     label_max_block_scores_batched_ref,
     label_token_scores_batched,
@@ -64,12 +65,9 @@ def _check(pb, q, cand, channels, sink, window, rtol=1e-5, atol=1e-4):
             )
 
 
-@pytest.mark.parametrize("hq,hkv", HEADS, ids=["mha", "gqa", "mqa"])
-@pytest.mark.parametrize("use_channels", [True, False], ids=["labels", "allch"])
-def test_candidates_match_reference(hq, hkv, use_channels):
-    bs, head_dim, sink, window = 4, 32, 3, 5
-    gen = case_generator("token_scores", hq, hkv, use_channels)
-    lens = [9, 2 * bs + 1, 70]
+def _bf16_batch(name, hq, hkv, use_channels, lens, bs=4, head_dim=32):
+    """(generator, paged bf16 batch, queries, 6 label channels per kv head or None)."""
+    gen = case_generator(name, hq, hkv, use_channels)
     pb = make_paged_batch(gen, lens, hkv, head_dim, bs, dtype=torch.bfloat16, device=DEVICE,
                           summary_chunks=0)
     q = random_values(gen, len(lens), hq, head_dim, dtype=torch.bfloat16, device=DEVICE)
@@ -77,8 +75,15 @@ def test_candidates_match_reference(hq, hkv, use_channels):
     if use_channels:
         channels = torch.stack([torch.randperm(head_dim, generator=gen)[:6] for _ in range(hkv)])
         channels = channels.to(DEVICE)
+    return gen, pb, q, channels
+
+
+@pytest.mark.parametrize("hq,hkv", HEADS, ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("use_channels", [True, False], ids=["labels", "allch"])
+def test_candidates_match_reference(hq, hkv, use_channels):
+    gen, pb, q, channels = _bf16_batch("token_scores", hq, hkv, use_channels, [9, 9, 70])
     cand = _random_cand(gen, pb, 7)
-    _check(pb, q, cand, channels, sink, window)
+    _check(pb, q, cand, channels, sink=3, window=5)
 
 
 @pytest.mark.parametrize("use_channels", [True, False], ids=["labels", "allch"])
@@ -148,17 +153,8 @@ def _check_label_max(pb, q, channels, sink, window, labels=None, rtol=1e-5, atol
 @pytest.mark.parametrize("use_channels", [True, False], ids=["labels", "allch"])
 def test_label_max_block_scores(hq, hkv, use_channels):
     """Each block's largest middle label score, read from the pool's keys by page."""
-    bs, head_dim, sink, window = 4, 32, 3, 5
-    gen = case_generator("label_max", hq, hkv, use_channels)
-    lens = [9, 2 * bs + 1, 70, 5]
-    pb = make_paged_batch(gen, lens, hkv, head_dim, bs, dtype=torch.bfloat16, device=DEVICE,
-                          summary_chunks=0)
-    q = random_values(gen, len(lens), hq, head_dim, dtype=torch.bfloat16, device=DEVICE)
-    channels = None
-    if use_channels:
-        channels = torch.stack([torch.randperm(head_dim, generator=gen)[:6] for _ in range(hkv)])
-        channels = channels.to(DEVICE)
-    _check_label_max(pb, q, channels, sink, window)
+    _, pb, q, channels = _bf16_batch("label_max", hq, hkv, use_channels, [9, 9, 70, 5])
+    _check_label_max(pb, q, channels, sink=3, window=5)
 
 
 @pytest.mark.parametrize("tokens_per_program", [1024, 16], ids=["one_tile", "two_blocks"])
@@ -196,3 +192,30 @@ def test_gpu_label_max_real_shapes():
     q = random_values(gen, 4, 32, 128, dtype=torch.bfloat16, device="cuda")
     channels = torch.stack([torch.randperm(128, generator=gen)[:16] for _ in range(8)]).cuda()
     _check_label_max(pb, q, channels, 16, 64, atol=1e-3)
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "per_token"])
+@pytest.mark.parametrize("label_dtype", [None, torch.float8_e4m3fn], ids=["kv", "fp8"])
+def test_label_max_reads_the_label_cache_page_by_page(label_dtype, paged):
+    """16 label channels (the GEMM's inner dimension): the paged kernel, one contiguous run of
+    labels per page, gives the per-token kernel's scores and the references'."""
+    bs, head_dim, hq, hkv, r = 8, 32, 6, 2, 16
+    gen = case_generator("label_max_paged", str(label_dtype))
+    lens = [40, 77, 100, 3]
+    pb = make_paged_batch(gen, lens, hkv, head_dim, bs, dtype=torch.bfloat16, device=DEVICE,
+                          summary_chunks=0)
+    q = random_values(gen, len(lens), hq, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    channels = torch.stack([torch.randperm(head_dim, generator=gen)[:r]
+                            for _ in range(hkv)]).to(DEVICE)
+    labels = allocate_label_cache(pb.k_buffer.shape[0], hkv, r, DEVICE,
+                                  label_dtype or pb.k_buffer.dtype)
+    update_label_cache(labels, pb.k_buffer, torch.arange(pb.k_buffer.shape[0], device=DEVICE),
+                       channels)
+    if label_dtype is not None:
+        stored = pb.k_buffer.float()
+        stored.scatter_(2, channels[None].expand(stored.shape[0], -1, -1), labels.float())
+        pb.k_buffer.copy_(stored.to(pb.k_buffer.dtype))
+    assert _pages_are_runs(labels, channels, keys_are_labels=True)  # the paged kernel's case
+    for tokens in (16, 256):
+        _check_label_max(pb, q, channels, 2, 6, labels=labels, tokens_per_program=tokens,
+                         paged=paged)

@@ -31,6 +31,7 @@ from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 from tqdm import tqdm
 
 from benchmarks.accuracy import tasks as T
+from benchmarks.results_io import git_commit  # noqa: F401  (the suite's results name it)
 from sglang_ext.config import (
     LOCALITY_FILTER_SCALE,
     LOCALITY_NEW_SHARE,
@@ -454,15 +455,6 @@ def add_agreement(rows: list[dict], results: Sequence[Result], baseline: Sequenc
 # --------------------------------------------------------------------------------------
 # Results: JSON (merged), markdown, plot
 # --------------------------------------------------------------------------------------
-
-
-def git_commit() -> Optional[str]:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                             text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
 
 
 def machine_description() -> str:
