@@ -33,8 +33,6 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", default="256,512,1024,2048")
     p.add_argument("--warps", default="4,8")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--kernels", default="paged,per_token",
-                   help="paged: a page's labels as one run; per_token: token by token")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
     p.add_argument("--name", default="label_max_launch_h200.json")
     args = p.parse_args(argv)
@@ -58,27 +56,16 @@ def main(argv=None) -> int:
     out = torch.empty(batch, HKV, blocks, device=dev)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     rows_out = []
-    agree = {}
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         labels = torch.randn(HKV, pages * bs, args.channels, device=dev, generator=gen)
         labels = labels.to(dtype).permute(1, 0, 2)  # the label cache's head-major layout
-        # the two kernels give the same scores (the GEMM's sums may round apart in the last bit)
-        outs = [label_max_block_scores_batched(q, labels, req_to_token, rows, lens, bs, 16, 64,
-                                               blocks, channels=channels, keys_are_labels=True,
-                                               paged=paged) for paged in (True, False)]
-        finite = outs[1].isfinite()
-        agree[str(dtype).removeprefix("torch.")] = {
-            "same_infinite": bool(torch.equal(outs[0].isfinite(), finite)),
-            "max_abs_diff": float((outs[0][finite] - outs[1][finite]).abs().max())}
-        print(f"paged vs per-token scores: {agree}", flush=True)
-        for kernel, tokens, warps in itertools.product(args.kernels.split(","),
-                                                       map(int, args.tokens.split(",")),
-                                                       map(int, args.warps.split(","))):
+        for tokens, warps in itertools.product(map(int, args.tokens.split(",")),
+                                               map(int, args.warps.split(","))):
             def run():
                 label_max_block_scores_batched(q, labels, req_to_token, rows, lens, bs, 16, 64,
                                                blocks, channels=channels, out=out,
                                                keys_are_labels=True, tokens_per_program=tokens,
-                                               num_warps=warps, paged=kernel == "paged")
+                                               num_warps=warps)
             run()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -94,17 +81,16 @@ def main(argv=None) -> int:
                 times.append(start.elapsed_time(end))
             ms = statistics.median(times)
             nbytes = batch * HKV * context * args.channels * labels.element_size()
-            rows_out.append({"label_dtype": str(dtype).removeprefix("torch."), "kernel": kernel,
+            rows_out.append({"label_dtype": str(dtype).removeprefix("torch."),
                              "tokens_per_program": tokens, "num_warps": warps, "ms": ms,
                              "label_tb_s": nbytes / ms / 1e9})
-            print(f"{rows_out[-1]['label_dtype']:14s} {kernel:9s} tokens {tokens:5d} warps {warps} "
+            print(f"{rows_out[-1]['label_dtype']:14s} tokens {tokens:5d} warps {warps} "
                   f"{ms * 1e3:7.1f} us  {rows_out[-1]['label_tb_s']:.2f} TB/s", flush=True)
     path = os.path.join(args.out, args.name)
     with open(path, "w") as f:
         json.dump({"commit": git_commit(), "gpu": gpu_name(),
                    "config": {k: v for k, v in vars(args).items() if k != "out"},
                    "timing": "median of CUDA-event times of a captured graph, L2 flushed",
-                   "paged_vs_per_token": agree,
                    "rows": rows_out}, f, indent=1)
     return 0
 

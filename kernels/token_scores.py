@@ -186,62 +186,13 @@ def _label_token_scores_kernel(
         )
 
 
-@triton.jit
-def _label_max_paged_kernel(
-    Q, LABELS, REQ_TO_TOKEN, REQ_POOL_INDICES, SEQ_LENS, CHANNELS, OUT,
-    num_blocks, sink, window,
-    stride_qb, stride_qh, stride_lh, stride_r2t, stride_chg, stride_ob, stride_og,
-    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    NUM_CH: tl.constexpr, NB: tl.constexpr, DOT_FP32: tl.constexpr,
-):
-    """The label maximum of NB whole pages of one (request, kv head), reading the head-major
-    label cache a page at a time: a page's labels of one kv head are one run of
-    BLOCK_SIZE * NUM_CH values, so each page costs one lookup and one contiguous load."""
-    b = tl.program_id(0)
-    g = tl.program_id(1)
-    tile = tl.program_id(2)
-    row = tl.load(REQ_POOL_INDICES + b).to(tl.int64)
-    hi = tl.load(SEQ_LENS + b).to(tl.int64) - window
-    j = tile * NB + tl.arange(0, NB)  # blocks
-    live = (j < num_blocks) & (j * BLOCK_SIZE < hi) & ((j + 1) * BLOCK_SIZE > sink)
-    first = tl.load(REQ_TO_TOKEN + row * stride_r2t + j.to(tl.int64) * BLOCK_SIZE, mask=live,
-                    other=0).to(tl.int64)
-    run = tl.arange(0, BLOCK_SIZE * NUM_CH)
-    labels = tl.load(LABELS + g.to(tl.int64) * stride_lh
-                     + ((first // BLOCK_SIZE) * (BLOCK_SIZE * NUM_CH))[:, None] + run[None, :],
-                     mask=live[:, None], other=0.0)  # [NB, BLOCK_SIZE * NUM_CH]
-    k = tl.reshape(labels, [NB * BLOCK_SIZE, NUM_CH])
-    hh = tl.arange(0, GROUP_PAD)
-    ch = tl.load(CHANNELS + g * stride_chg + tl.arange(0, NUM_CH)).to(tl.int64)
-    qg = tl.load(Q + b.to(tl.int64) * stride_qb + (g * GROUP + hh[:, None]) * stride_qh
-                 + ch[None, :], mask=hh[:, None] < GROUP, other=0.0)
-    if DOT_FP32:
-        s = tl.dot(k.to(tl.float32), tl.trans(qg.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(k.to(qg.dtype), tl.trans(qg))
-    score = tl.max(tl.where((hh < GROUP)[None, :], s, float("-inf")), axis=1)  # [NB * BS]
-    pos = tl.reshape(j[:, None] * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :],
-                     [NB * BLOCK_SIZE])
-    valid = (pos >= sink) & (pos < hi) & (pos < num_blocks * BLOCK_SIZE)
-    score = tl.where(valid, score, float("-inf"))
-    per_block = tl.max(tl.reshape(score, [NB, BLOCK_SIZE]), axis=1)
-    tl.store(OUT + b.to(tl.int64) * stride_ob + g * stride_og + j, per_block, mask=j < num_blocks)
-
-
-def _pages_are_runs(labels: Tensor, channels: Tensor | None, keys_are_labels: bool) -> bool:
-    """Whether the paged label-max kernel reads these labels: the head-major label cache
-    (``allocate_label_cache``: a token's r values, then the next token's) with r a power of
-    two of at least 16 (the GEMM's inner dimension)."""
-    r = labels.shape[2]
-    return (keys_are_labels and channels is not None and labels.stride(2) == 1
-            and labels.stride(0) == r and r >= 16 and r & (r - 1) == 0)
-
-
 # The label-max launch: tokens (whole blocks) per program and warps. At 128k x 32, 16 bf16
 # label channels, 256 and 1024 tokens with 4 warps were the fastest (404 / 402 us; 8 warps
 # 468-653 us, 4096 tokens 584-1196 us: benchmarks/results/label_max_launch_h200.json). The
 # kernel reads ~2.7 TB/s of bf16 labels, and fp8 labels are no faster (416 us): it is bound
-# by its instructions per token, not by the labels' bytes.
+# by its instructions per token, not by the labels' bytes. Reading the head-major label cache
+# a page at a time (one lookup and one contiguous run per page) was no faster either (434 /
+# 410 us, the same scores: label_max_paged_h200.json).
 LABEL_MAX_TOKENS = 256
 LABEL_MAX_WARPS = 4
 
@@ -261,7 +212,6 @@ def label_max_block_scores_batched(
     keys_are_labels: bool = False,
     tokens_per_program: int = LABEL_MAX_TOKENS,
     num_warps: int = LABEL_MAX_WARPS,
-    paged: bool = True,
 ) -> Tensor:
     """The label-max block filter's scores: each block's largest label score over its middle
     tokens, float32 ``[B, Hkv, num_blocks]`` (``-inf`` for blocks with no middle token), what
@@ -269,28 +219,10 @@ def label_max_block_scores_batched(
     tokens gives, in one pass that writes no token score. Pages must be blocks
     (``page_size == block_size``): a block's tokens are read from its first slot's page.
     Arguments as for :func:`label_token_scores_batched`; ``tokens_per_program`` (a power of
-    two, at least the block size) and ``num_warps``: the launch; ``paged``: read the label
-    cache a page at a time where its layout allows (one lookup and one contiguous run per
-    page) instead of token by token (the result is the same)."""
+    two, at least the block size) and ``num_warps``: the launch (the result is the same)."""
     if out is None:
         out = torch.empty(q.shape[0], k_buffer.shape[1], num_blocks, dtype=torch.float32,
                           device=q.device)
-    if _pages_are_runs(k_buffer, channels, keys_are_labels) and paged:
-        batch, num_q_heads = q.shape[:2]
-        num_kv_heads = k_buffer.shape[1]
-        nb = max(1, min(triton.next_power_of_2(num_blocks), tokens_per_program // block_size))
-        if batch and num_blocks:
-            channels = channels.contiguous()
-            _label_max_paged_kernel[(batch, num_kv_heads, triton.cdiv(num_blocks, nb))](
-                q, k_buffer, req_to_token, req_pool_indices, seq_lens, channels, out,
-                num_blocks, sink, window, q.stride(0), q.stride(1), k_buffer.stride(1),
-                req_to_token.stride(0), channels.stride(0), out.stride(0), out.stride(1),
-                BLOCK_SIZE=block_size, GROUP=num_q_heads // num_kv_heads,
-                GROUP_PAD=max(16, triton.next_power_of_2(num_q_heads // num_kv_heads)),
-                NUM_CH=k_buffer.shape[2], NB=nb,
-                DOT_FP32=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
-                num_warps=num_warps)
-        return out
     _launch_token_scores(q, k_buffer, req_to_token, req_pool_indices, seq_lens, None,
                          block_size, sink, window, channels, num_blocks, out, None, None,
                          None, keys_are_labels, None, None, block_max=True,

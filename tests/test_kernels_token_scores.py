@@ -11,7 +11,6 @@ from sglang_ext.kernels.testing import (
 )
 from sglang_ext.kernels.label_cache import allocate_label_cache, update_label_cache
 from sglang_ext.kernels.token_scores import (
-    _pages_are_runs,
     label_max_block_scores_batched,
     label_max_block_scores_batched_ref,
     label_token_scores_batched,
@@ -193,29 +192,3 @@ def test_gpu_label_max_real_shapes():
     channels = torch.stack([torch.randperm(128, generator=gen)[:16] for _ in range(8)]).cuda()
     _check_label_max(pb, q, channels, 16, 64, atol=1e-3)
 
-
-@pytest.mark.parametrize("paged", [True, False], ids=["paged", "per_token"])
-@pytest.mark.parametrize("label_dtype", [None, torch.float8_e4m3fn], ids=["kv", "fp8"])
-def test_label_max_reads_the_label_cache_page_by_page(label_dtype, paged):
-    """16 label channels (the GEMM's inner dimension): the paged kernel, one contiguous run of
-    labels per page, gives the per-token kernel's scores and the references'."""
-    bs, head_dim, hq, hkv, r = 8, 32, 6, 2, 16
-    gen = case_generator("label_max_paged", str(label_dtype))
-    lens = [40, 77, 100, 3]
-    pb = make_paged_batch(gen, lens, hkv, head_dim, bs, dtype=torch.bfloat16, device=DEVICE,
-                          summary_chunks=0)
-    q = random_values(gen, len(lens), hq, head_dim, dtype=torch.bfloat16, device=DEVICE)
-    channels = torch.stack([torch.randperm(head_dim, generator=gen)[:r]
-                            for _ in range(hkv)]).to(DEVICE)
-    labels = allocate_label_cache(pb.k_buffer.shape[0], hkv, r, DEVICE,
-                                  label_dtype or pb.k_buffer.dtype)
-    update_label_cache(labels, pb.k_buffer, torch.arange(pb.k_buffer.shape[0], device=DEVICE),
-                       channels)
-    if label_dtype is not None:
-        stored = pb.k_buffer.float()
-        stored.scatter_(2, channels[None].expand(stored.shape[0], -1, -1), labels.float())
-        pb.k_buffer.copy_(stored.to(pb.k_buffer.dtype))
-    assert _pages_are_runs(labels, channels, keys_are_labels=True)  # the paged kernel's case
-    for tokens in (16, 256):
-        _check_label_max(pb, q, channels, 2, 6, labels=labels, tokens_per_program=tokens,
-                         paged=paged)
