@@ -89,6 +89,11 @@ CONFIGS["flashinfer_fp8kv"] = CONFIGS["flashinfer"] + FP8_KV
 CONFIGS["sglang_ext_fi_fp8s_fp8kv"] = CONFIGS["sglang_ext_fi_fp8s"] + FP8_KV
 # the same with both top-k at 8-bit digits (the widths before the per-stage defaults): a control
 CONFIGS["sglang_ext_fi_fp8s_fp8kv_radix8"] = CONFIGS["sglang_ext_fi_fp8s_fp8kv"]
+# The block filter by Quest's bound (the only one before --sparse-block-score; the plain names
+# now rank blocks by the label maximum, the faithful default): the earlier serving rows' setting
+BOUND = ["--sparse-block-score", "bound"]
+for _name in ("sglang_ext_fi", "sglang_ext_fi_fp8s", "sglang_ext_fi_fp8s_fp8kv"):
+    CONFIGS[_name + "_bound"] = CONFIGS[_name] + BOUND
 # Environment a configuration's server gets beside its flags (shown in its rows)
 CONFIG_ENV: dict[str, dict[str, str]] = {
     "sglang_ext_fi_fp8s_fp8kv_radix8": {"SGLANG_EXT_TOPK_RADIX_BITS": "8,8"}}

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from sglang_ext import config as sparse_config
 from sglang_ext.config import BACKEND_NAME
-from sglang_ext.selection.mla import is_mla_model, kv_layout, mla_unsupported
+from sglang_ext.selection.mla import is_mla_model, kv_layout, mla_config, mla_unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,9 @@ def _around_from_cli_args(original: Callable, cls: type, args: argparse.Namespac
     attach_config(server_args, cfg)
     if uses_sparse_backend(server_args):
         check_mla_model(server_args, cfg)
+        if is_mla_model(server_args.get_model_config()):
+            cfg = mla_config(cfg)  # what requests are parsed against, too
+            attach_config(server_args, cfg)
         check_tier_kv_dtype(server_args, cfg)
         _check_label_config(server_args, cfg)
         _check_head_policy(server_args, cfg)

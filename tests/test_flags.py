@@ -365,3 +365,15 @@ def test_block_score_auto_resolves_and_label_max_is_checked():
     base = build_config(block_score="label_max")
     assert parse_override({"sparse": {"method": "quest"}}, base).block_score == "bound"
     assert parse_override({"sparse": {"block_score": "bound"}}, base).block_score == "bound"
+
+
+def test_mla_models_rank_blocks_by_the_bound():
+    """The label maximum has no MLA version yet: auto resolves to the bound for an MLA model,
+    and an explicit label_max is refused like the other MLA-less settings."""
+    from sglang_ext.selection.mla import mla_config, mla_unsupported
+
+    assert mla_config(build_config()).block_score == "bound"
+    assert mla_config(build_config(block_score="bound")).block_score == "bound"
+    assert mla_unsupported(build_config()) == []
+    assert [flag for _, flag in mla_unsupported(build_config(block_score="label_max"))] == [
+        "--sparse-block-score label_max"]

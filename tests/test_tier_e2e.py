@@ -26,6 +26,8 @@ COMMON = [
     "--attention-backend", "sglang_ext", "--sparse-budget", "256", "--sparse-block-size", "4",
     "--sparse-sink", "16", "--sparse-window", "64", "--sparse-label-config", LABELS,
     "--page-size", "4", "--max-running-requests", "4",
+    # the tier's block filter on both servers (the untiered one would rank by label maximum)
+    "--sparse-block-score", "bound",
 ]
 TIER = ["--sparse-tier", "sync", "--sparse-tier-gpu-tokens", "1024", "--sparse-tier-host-gb", "0.5"]
 

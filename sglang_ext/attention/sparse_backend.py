@@ -43,7 +43,7 @@ from sglang_ext.selection.guard import (
     selection_recall,
     widened,
 )
-from sglang_ext.selection.mla import kv_layout, mla_unsupported, pool_kv_lora_rank
+from sglang_ext.selection.mla import kv_layout, mla_config, mla_unsupported, pool_kv_lora_rank
 from sglang_ext.selection.reference import (
     BatchedSparseDecode,
     SelectionParams,
@@ -182,6 +182,8 @@ class SparseDecodeBackend(AttentionBackend):
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         # MLA pools (selection/mla.py): one latent row [R + P] per token, V its [:R] view.
         self.kv_lora_rank = pool_kv_lora_rank(self.token_to_kv_pool)
+        if self.kv_lora_rank is not None:
+            config = self.config = mla_config(config)
         if self.kv_lora_rank is not None and mla_unsupported(config):
             raise ValueError(f"sglang_ext: {mla_unsupported(config)[0][1]} does not support MLA "
                              "models (latent KV pool) yet")

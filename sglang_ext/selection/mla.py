@@ -45,6 +45,8 @@ this module fixes the MLA shapes and documents why each stage applies.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -78,7 +80,16 @@ _MLA_UNSUPPORTED = (
     ("cooperative", "--sparse-cooperative", lambda v: v == "on"),
     ("block_filter", "--sparse-block-filter async", lambda v: v == "async"),
     ("summary_dtype", "--sparse-summary-dtype fp8_e4m3", lambda v: v != "auto"),
+    ("block_score", "--sparse-block-score label_max", lambda v: v == "label_max"),
 )
+
+
+def mla_config(config: Any) -> Any:
+    """``config`` as an MLA model serves it: the block filter's "auto" is the bound there (the
+    label maximum has no MLA version yet)."""
+    if getattr(config, "block_score", None) == "auto":
+        return dataclasses.replace(config, block_score="bound")
+    return config
 
 
 @dataclass(frozen=True)
