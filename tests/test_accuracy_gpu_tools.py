@@ -1,0 +1,49 @@
+"""The GPU suite's result tools: implementations compared cell by cell, configurations gathered
+into one tagged file, and the block filters' accuracy against operator time."""
+
+import json
+
+from benchmarks.accuracy.compare_impls import compare, render
+from benchmarks.accuracy.gpu_suite import combine
+from benchmarks.block_filter_pareto import accuracy_drops, operator_times, table
+
+
+def _row(method, budget, score, lo, hi, dense=80.0, n=30, task="passkey", context=2048):
+    return {"task": task, "context": context, "method": method, "budget": budget, "score": score,
+            "n": n, "ci_low": lo, "ci_high": hi, "dense_score": dense, "seconds": 1.0}
+
+
+def test_cells_agree_where_their_intervals_overlap():
+    a = {"rows": [_row("dense", 0, 80, 62, 91), _row("ds", 128, 70, 52, 83),
+                  _row("two_level", 128, 20, 9, 38)]}
+    b = {"rows": [_row("dense", 0, 75, 57, 87), _row("two_level", 128, 60, 42, 75),
+                  _row("quest", 128, 10, 3, 26)]}
+    rows = compare(a, b)
+    assert [(r["method"], r["overlap"]) for r in rows] == [("dense", True), ("two_level", False)]
+    assert "1 of 2 cells agree" in render(rows, ["gpu", "cpu"])
+
+
+def test_configurations_gather_tagged(tmp_path):
+    path = tmp_path / "smollm2_b32_fp8.json"
+    path.write_text(json.dumps({"commit": "abc", "config": {"server": "x"},
+                                "rows": [_row("two_level", 128, 60, 42, 75)]}))
+    doc = combine([str(path)], str(tmp_path / "all.json"))
+    row = doc["rows"][0]
+    assert (row["impl"], row["block_size"], row["storage"]) == ("triton", 32, "fp8")
+    assert row["budget_share"] == 128 / 2048 and row["dense_score"] == 80.0
+    assert (tmp_path / "all.png").exists()
+
+
+def test_pareto_rows_pair_each_filter_with_its_time():
+    rows = [_row("two_level", 128, 60, 42, 75), _row("two_level", 128, 40, 25, 57, task="x"),
+            _row("two_level_bound", 128, 20, 9, 38), _row("dense", 0, 80, 62, 91)]
+    drops = accuracy_drops(rows)
+    assert drops[("two_level", 16)] == (50.0, -30.0, 2)
+    op = {"config": {"block_score": "label_max"},
+          "rows": [{"context": 131072, "batch": 32, "ours_ms": 0.5, "ours_bound_ms": 0.25,
+                    "flashinfer_ms": 4.0}]}
+    times = operator_times(op, 131072, 32)
+    assert times == {"label_max": 0.5, "bound": 0.25, "flashinfer": 4.0}
+    by_method = {r["method"]: r for r in table(drops, times, "b32_bf16")}
+    assert by_method["two_level"]["speedup_vs_flashinfer"] == 8.0
+    assert by_method["two_level_bound"]["speedup_vs_flashinfer"] == 16.0
