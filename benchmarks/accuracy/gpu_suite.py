@@ -60,7 +60,7 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> None:
             if requests.get(url + "/health_generate", timeout=30).status_code == 200:
                 return
         except requests.RequestException:
-            pass
+            pass  # not listening yet
         time.sleep(2)
     raise TimeoutError(f"server not healthy after {timeout:.0f}s")
 
