@@ -1,1 +1,1 @@
-"""Benchmark drivers; results land in benchmarks/results/."""
+"""Benchmark drivers; results land in benchmarks/results/<suite>/ (see its INDEX.md)."""

@@ -38,7 +38,7 @@ import statistics
 import sys
 import time
 
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fluxion")
 HQ, HKV, D = 32, 8, 128
 
 

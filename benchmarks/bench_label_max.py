@@ -1,6 +1,6 @@
 """The label-max block scores alone (GPU): launch shapes x label dtypes at one serving shape.
 
-    python benchmarks/bench_label_max.py --out benchmarks/results
+    python benchmarks/bench_label_max.py --out benchmarks/results/operator
 
 One layer of Qwen3-8B heads (32 query / 8 kv heads), every request at ``--context`` tokens in
 random pages of ``--block-size``; each (tokens per program, warps, label dtype) is captured in
@@ -33,13 +33,14 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", default="256,512,1024,2048")
     p.add_argument("--warps", default="4,8")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "operator"))
     p.add_argument("--name", default="label_max_launch_h200.json")
     args = p.parse_args(argv)
 
     import torch
 
     from sglang_ext.kernels.token_scores import label_max_block_scores_batched
+    from sglang_ext.progress import progress
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -59,8 +60,9 @@ def main(argv=None) -> int:
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         labels = torch.randn(HKV, pages * bs, args.channels, device=dev, generator=gen)
         labels = labels.to(dtype).permute(1, 0, 2)  # the label cache's head-major layout
-        for tokens, warps in itertools.product(map(int, args.tokens.split(",")),
-                                               map(int, args.warps.split(","))):
+        launches = list(itertools.product(map(int, args.tokens.split(",")),
+                                          map(int, args.warps.split(","))))
+        for tokens, warps in progress(launches, desc=f"label_max {dtype}", unit="launch"):
             def run():
                 label_max_block_scores_batched(q, labels, req_to_token, rows, lens, bs, 16, 64,
                                                blocks, channels=channels, out=out,

@@ -44,7 +44,7 @@ import time
 import traceback
 
 HQ, HKV, HEAD_DIM = 32, 8, 128  # Qwen3-8B
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "operator")
 
 
 POOL_TOKEN_CAP = 1 << 20
@@ -786,8 +786,11 @@ def run_benchmark(args, device: str = "cuda") -> dict:
     other_topk = "torch" if args.topk_impl == "triton" else "triton"
     block_precision = None if args.block_score_precision == "auto" else args.block_score_precision
     rows = []
+    from sglang_ext.progress import counting, progress
+
+    bar = progress(total=len(contexts) * len(batches), desc="operator cases", unit="case")
     for context in contexts:
-        for batch in batches:
+        for batch in counting(bar, batches):
             if time.time() - t_start > args.time_limit:
                 print(f"time limit reached: skipping context={context} batch={batch}")
                 continue

@@ -71,7 +71,7 @@ from benchmarks.results_io import git_commit, gpu_name, merge_rows, write_result
 
 MODEL = "deepseek-v2-lite-shape"
 DEFAULT_CONFIG = os.path.join(REPO, "benchmarks", "models", MODEL, "config.json")
-DEFAULT_OUT = os.path.join(REPO, "benchmarks", "results")
+DEFAULT_OUT = os.path.join(REPO, "benchmarks", "results", "operator")
 RESULTS_NAME = "operator_h200.json"  # shared with bench_operator.py's MHA rows
 PLOT_NAME = "operator_mla_h200.png"
 BASELINES = ("triton", "flashinfer_mla")
@@ -611,8 +611,11 @@ def run_benchmark(args: argparse.Namespace, shape: MLAShape,
     fi_backend: dict[str, str] = {}
     commit, gpu = git_commit(), gpu_name()
     rows: list[dict[str, Any]] = []
+    from sglang_ext.progress import counting, progress
+
+    bar = progress(total=len(contexts) * len(batches), desc="MLA operator cases", unit="case")
     for context in contexts:
-        for batch in batches:
+        for batch in counting(bar, batches):
             if time.time() - t_start > args.time_limit:
                 print(f"time limit reached: skipping context={context} batch={batch}")
                 continue

@@ -13,7 +13,7 @@ tile, warps, pipeline stages, V gathered beside K. The block scores' variants: b
 program, warps, stages, over the pages of contiguous 32k requests. Every variant's output is
 checked against the default's.
 
-    python benchmarks/bench_sparse_attention.py --out benchmarks/results
+    python benchmarks/bench_sparse_attention.py --out benchmarks/results/kernels
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _ints(text: str) -> list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "kernels"))
     p.add_argument("--results-name", default="sparse_attention_h200",
                    help="results file name (.json, .png beside it) in --out")
     p.add_argument("--stages", default="attention,block_scores",
@@ -136,7 +136,9 @@ def _timed_rows(timer, stage: str, batch: int, variants: list[dict], build, floo
     rows = []
     ordered = [default] + [v for v in variants if v != default]
     want = None
-    for var in ordered:
+    from sglang_ext.progress import progress
+
+    for var in progress(ordered, desc=f"{stage} B={batch}", unit="variant", leave=False):
         fn = build(var)
         try:
             run = timer.capture(fn)

@@ -30,7 +30,7 @@ import os
 import statistics
 import sys
 
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tier")
 HQ, HKV, D = 32, 8, 128
 
 
@@ -254,26 +254,34 @@ def main(argv=None) -> int:
     path = os.path.join(args.out, "tier_h200.json")
     write_results(path, rows_out, meta)
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        drifts = sorted({r["drift"] for r in rows_out})
-        for config in ("gpu_resident", "tier_sync", "tier_async"):
-            ax.plot(drifts, [min(r["step_ms"] for r in rows_out
-                                 if r["drift"] == d and r["config"] == config) for d in drifts],
-                    marker="o", label=config + (" (best cap)" if config == "tier_async" else ""))
-        ax.set_xlabel("query drift per step (less locality ->)")
-        ax.set_ylabel(f"decode step, {NL} layers (ms)")
-        ax.set_title(f"CPU tier, {B} x {L // 1024}k, budget {args.budget} ({gpu_name()})")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path.replace(".json", ".png"), dpi=120)
+        plot({**meta, "rows": rows_out}, path.replace(".json", ".png"))
     except Exception as e:  # the JSON is what matters
         print(f"plot failed: {e}")
     print(f"wrote {path}")
     return status
+
+
+def plot(result: dict, path: str) -> None:
+    """Decode step time against query drift per configuration (tier_async: its best cap)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, cfg = result["rows"], result["config"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    drifts = sorted({r["drift"] for r in rows})
+    for config in ("gpu_resident", "tier_sync", "tier_async"):
+        ax.plot(drifts, [min(r["step_ms"] for r in rows
+                             if r["drift"] == d and r["config"] == config) for d in drifts],
+                marker="o", label=config + (" (best cap)" if config == "tier_async" else ""))
+    ax.set_xlabel("query drift per step (less locality ->)")
+    ax.set_ylabel(f"decode step, {cfg['layers']} layers (ms)")
+    ax.set_title(f"CPU tier, {cfg['batch']} x {cfg['context'] // 1024}k, budget {cfg['budget']} "
+                 f"({result['gpu']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ from benchmarks.results_io import git_commit, gpu_name, write_results  # noqa: E
 
 HQ, HKV, HEAD_DIM = 32, 8, 128  # Qwen3-8B
 ROW_BYTES = HEAD_DIM * 2  # one token of one kv head, bf16
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "transfer")
 GIB = 1 << 30
 
 
@@ -638,7 +638,10 @@ def run(args) -> dict:
     # --- block-size sweep
     stage = pinned_empty((tier.pool.numel(),), torch.bfloat16)
     sweep_inputs = {}
-    for kib in [int(x) for x in args.block_kib.split(",")]:
+    from sglang_ext.progress import progress
+
+    for kib in progress([int(x) for x in args.block_kib.split(",")], desc="block-size sweep",
+                        unit="size"):
         if over_time(f"sweep {kib} KiB"):
             break
         block = kib * 1024

@@ -2,7 +2,7 @@
 
     python benchmarks/block_filter_pareto.py \\
         --accuracy benchmarks/results/accuracy/smollm2_b32_bf16.json \\
-        --operator benchmarks/results/operator_h200_label_max_b32.json
+        --operator benchmarks/results/operator/operator_h200_label_max_b32.json
 
 Accuracy: the GPU suite's rows (``benchmarks.accuracy.gpu_suite``; SmolLM2 on the served
 Triton path), each method's mean change against dense on the same samples, over the tasks and

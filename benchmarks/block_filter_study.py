@@ -26,6 +26,7 @@ sys.path.insert(0, REPO)
 
 from benchmarks.accuracy import tasks as T  # noqa: E402
 from benchmarks.accuracy.runner import shrunk_sink_window  # noqa: E402
+from benchmarks.results_io import git_commit, write_results  # noqa: E402
 from sglang_ext.selection.reference import (  # noqa: E402
     _top_k_mask,
     label_token_scores,
@@ -38,12 +39,14 @@ ATTN_NAME = "sglang_ext_block_filter_study"
 @dataclass(frozen=True)
 class Variant:
     name: str
-    kind: str  # dense | ds | two_level
+    kind: str  # dense | oracle (top-k by the exact q.k: the ceiling of token-level selection) | ds | two_level
     block_size: int = 16
     cand_scale: float = 2.0  # candidate blocks = scale x the blocks the budget's middle fills
     sub_block: int = 0  # summary granularity inside a page (0 = the page)
     summary_channels: str = "all"  # all | labels
     dense_layers: int = 0  # the first layers attend densely (as Quest and Double Sparsity do)
+    page_score: str = "bound"  # bound | label_max (a page's best label score)
+    rerank: float = 0.0  # > 0: labels keep rerank x the budget's tokens, the exact q.k picks
 
 
 def group_queries(q: Tensor, hkv: int) -> Tensor:
@@ -85,18 +88,38 @@ def select(q: Tensor, keys: Tensor, v: Variant, budget: int, sink: int, window: 
     lo, hi = sink, length - window
     n_sel = budget - sink - window
     mask[:, lo:hi] = False
-    if v.kind == "ds":
-        mask[:, lo:hi] = _top_k_mask(label_token_scores(q, keys[lo:hi], channels), n_sel)
+    token_channels = None if v.kind == "oracle" else channels
+    label_scores = label_token_scores(q, keys[lo:hi], token_channels)
+    if v.kind in ("ds", "oracle"):
+        mask[:, lo:hi] = top_tokens(q, keys[lo:hi], label_scores, n_sel, v.rerank)
         return mask
     bs = v.block_size
     first, last = lo // bs, (hi - 1) // bs
     num_cand = last - first + 1
-    kept = _top_k_mask(page_scores(q, keys, first, last, v, channels),
-                       min(num_cand, max(1, round(v.cand_scale * -(-n_sel // bs)))))
+    if v.page_score == "label_max":
+        # pad the middle out to whole pages; sink and window tokens never rank a page
+        by_page = torch.cat([label_scores.new_full((hkv, lo - first * bs), float("-inf")),
+                             label_scores,
+                             label_scores.new_full((hkv, (last + 1) * bs - hi), float("-inf"))], 1)
+        pages = by_page.reshape(hkv, num_cand, bs).amax(2)
+    else:
+        pages = page_scores(q, keys, first, last, v, channels)
+    kept = _top_k_mask(pages, min(num_cand, max(1, round(v.cand_scale * -(-n_sel // bs)))))
     in_kept = kept[:, torch.arange(lo, hi) // bs - first]
-    scores = label_token_scores(q, keys[lo:hi], channels).masked_fill(~in_kept, float("-inf"))
-    mask[:, lo:hi] = _top_k_mask(scores, n_sel) & in_kept
+    scores = label_scores.masked_fill(~in_kept, float("-inf"))
+    mask[:, lo:hi] = top_tokens(q, keys[lo:hi], scores, n_sel, v.rerank) & in_kept
     return mask
+
+
+def top_tokens(q: Tensor, keys: Tensor, label_scores: Tensor, n_sel: int, rerank: float) -> Tensor:
+    """The ``n_sel`` best tokens by label score, or with ``rerank`` by the exact q.k among the
+    ``rerank * n_sel`` best by label score."""
+    if not rerank:
+        return _top_k_mask(label_scores, n_sel)
+    shortlist = _top_k_mask(label_scores, min(label_scores.shape[1], round(rerank * n_sel)))
+    shortlist &= label_scores > float("-inf")
+    exact = label_token_scores(q, keys, None).masked_fill(~shortlist, float("-inf"))
+    return _top_k_mask(exact, n_sel) & shortlist
 
 
 class StudyAttention:
@@ -136,10 +159,14 @@ def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def parse_variant(text: str) -> Variant:
-    """dense | ds[:dN] | two_level:BS[:xSCALE][:sSUB][:labels][:dN]"""
+    """dense | oracle[:dN] | ds[:dN][:rM] | two_level:BS[:xSCALE][:sSUB][:labels][:lm][:rM][:dN]
+
+    ``lm``: pages ranked by their best label score; ``rM``: the exact q.k reranks M x the
+    budget's best tokens by label score."""
     parts = text.split(":")
     kw: dict = {}
-    if parts[0] in ("dense", "ds"):
+    whole_context_kinds = ("dense", "oracle", "ds")
+    if parts[0] in whole_context_kinds:
         rest = parts[1:]
     else:
         kw["block_size"] = int(parts[1])
@@ -148,7 +175,11 @@ def parse_variant(text: str) -> Variant:
         if p.startswith("d"):
             kw["dense_layers"] = int(p[1:])
             continue
-        if p.startswith("x"):
+        if p == "lm":
+            kw["page_score"] = "label_max"
+        elif p.startswith("r"):
+            kw["rerank"] = float(p[1:])
+        elif p.startswith("x"):
             kw["cand_scale"] = float(p[1:])
         elif p.startswith("s"):
             kw["sub_block"] = int(p[1:])
@@ -156,7 +187,7 @@ def parse_variant(text: str) -> Variant:
             kw["summary_channels"] = "labels"
         else:
             raise ValueError(f"bad variant part {p!r} in {text!r}")
-    return Variant(text, parts[0] if parts[0] in ("dense", "ds") else "two_level", **kw)
+    return Variant(text, parts[0] if parts[0] in whole_context_kinds else "two_level", **kw)
 
 
 @torch.inference_mode()
@@ -224,8 +255,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{r['score']:5.1f} [{r['ci_low']:.0f},{r['ci_high']:.0f}] n={r['n']}")
     print(f"{time.time() - t0:.0f} s")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"rows": rows, "args": vars(args)}, f, indent=1)
+        write_results(args.out, rows, {"commit": git_commit(), "machine": "cpu",
+                                       "model": os.path.basename(os.path.abspath(args.model_dir)),
+                                       "args": vars(args)})
     return 0
 
 

@@ -36,6 +36,7 @@ from benchmarks import results_io  # noqa: E402
 from benchmarks.results_io import git_commit, gpu_name, write_results  # noqa: E402
 from benchmarks.soak import TIE_MARGIN, mismatch  # noqa: E402
 from sglang_ext.attention.synthetic_kv import ENV as SYNTHETIC_KV  # noqa: E402
+from sglang_ext.progress import progress  # noqa: E402
 from sglang_ext.config import (  # noqa: E402
     LOCALITY_FILTER_SCALE,
     LOCALITY_NEW_SHARE,
@@ -751,7 +752,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "prefills, the decode runs over random KV each server writes into its "
                         "pool at start-up (SGLANG_EXT_SYNTHETIC_KV=random; rows get "
                         "decode_only: true; TTFT and input throughput mean nothing there)")
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks/results"))
+    p.add_argument("--out", default=None, help="results folder (default: benchmarks/results/ "
+                   "SUITE, the suite of --results-name: e2e_h200 -> serving, locality_h200 -> "
+                   "locality)")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--startup-timeout", type=float, default=400)
     p.add_argument("--block-size", type=int, default=0,
@@ -792,6 +795,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> int:
     p = build_parser()
     args = p.parse_args()
+    args.out = args.out or results_io.suite_dir(args.results_name)
     if args.collect and not args.gpu:
         p.error("--collect needs --gpu (the name of the GPU the run was on)")
     if args.collect and len(args.input_len) > 1:
@@ -816,7 +820,7 @@ def main() -> int:
             "dummy_weights": os.environ.get("SGLANG_EXT_DUMMY_WEIGHTS", "sglang")}
     if args.collect:
         meta["collected"] = "rows built from the run's bench/server files (--collect)"
-    for name in args.configs:
+    for name in progress(args.configs, desc="servers", unit="server"):
         log_path = os.path.join(args.out, f"server_{name}.log")
         greedy_path = os.path.join(args.out, f"greedy_{name}.json")
         bench_paths = {n: os.path.join(args.out, f"bench_{name}.jsonl" if len(lengths) == 1

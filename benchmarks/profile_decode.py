@@ -53,6 +53,7 @@ from benchmarks.e2e_serving import (  # noqa: E402
     wait_healthy,
 )
 from benchmarks.results_io import git_commit, gpu_name, write_results  # noqa: E402
+from sglang_ext.progress import progress  # noqa: E402
 
 # (category, kernel-name pattern), first match wins; names are Triton kernels' function names
 # (kernels/*.py), FlashInfer's and the GEMM libraries' kernel names.
@@ -273,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=2)
     p.add_argument("--steps", type=int, default=8, help="decode steps recorded")
     p.add_argument("--extra", default="", help="extra server flags for every config")
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks/results"))
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks/results/serving"))
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--startup-timeout", type=float, default=400)
     p.add_argument("--decode-timeout", type=float, default=300,
@@ -289,7 +290,7 @@ def main() -> int:
     label_config = synthetic_label_config(args.model, args.label_channels, args.out) \
         if args.label_channels else None
     rows, failures = [], []
-    for name in args.configs:
+    for name in progress(args.configs, desc="servers", unit="server"):
         try:
             rows.append(profile_config(args, name, label_config))
         except (RuntimeError, TimeoutError, ValueError, FileNotFoundError,

@@ -178,7 +178,8 @@ def reference_run(url: str, prompt: str, max_new_tokens: int) -> dict:
 # One bf16 step of a logit in [32, 64) is 0.25, and a logprob difference is a logit difference:
 # two top-2 logits one step apart are as close as bf16 can tell apart, and a different kernel's
 # rounding flips them. Measured: SGLang's own flashinfer and triton full attention at --tp 2
-# disagree at exactly such margins (benchmarks/results/tp2_greedy_h200.json, the flashinfer row).
+# disagree at exactly such margins (benchmarks/results/serving/tp2_greedy_h200.json, the
+# flashinfer row).
 TIE_MARGIN = 0.25
 
 
@@ -307,7 +308,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--time-limit", type=float, default=900.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=600.0)
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "soak.json"))
+    ap.add_argument("--out",
+                    default=os.path.join(REPO, "benchmarks", "results", "serving", "soak.json"))
     args = ap.parse_args(argv)
     if not args.url and not args.launch:
         ap.error("give --url or --launch")

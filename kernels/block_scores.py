@@ -336,8 +336,8 @@ def quest_block_scores_batched(
     layer on the H200 at 10 x 128k, sparse_attention_h200_fp16_operands_128k.json); None =
     "tc" on a GPU when q and the summaries share a 16-bit dtype, "tc_fp16" for fp8 summaries
     (the block scores as GEMMs: measured 5-15% faster per decode step at 128k, see
-    benchmarks/results/operator_h200*.json), otherwise "fma" for groups smaller than 8 query
-    heads of at most 256 dims and "ieee" for the others. ``block_nb``: blocks per program
+    benchmarks/results/operator/operator_h200*.json), otherwise "fma" for groups smaller than 8
+    query heads of at most 256 dims and "ieee" for the others. ``block_nb``: blocks per program
     (default: :func:`tc_block_nb` for "tc", 64 for 2-byte summaries with "fma", otherwise 32);
     ``num_warps`` / ``num_stages``: the launch's (default: 4 warps for "tc" or small tiles, else
     8; ``TC_NUM_STAGES`` for "tc", else Triton's default stages). ``heads_per_program`` (a

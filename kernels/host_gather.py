@@ -36,10 +36,11 @@ from torch import Tensor
 
 UNIT_BYTES = 4096  # bytes one unit (a contiguous piece of one run) moves at most
 # Launch defaults measured on an H200 (PCIe 5 x16, 55.6 GB/s contiguous; bench_transfer.py,
-# benchmarks/results/transfer_h200.json): with a full grid every runs/warps choice moves ~51 GB/s
-# of random 4 KiB blocks but slows a concurrent decode attention 2.7x. 16 persistent programs x
-# 4 runs keep ~51 GB/s alone and ~50.7 GB/s beside attention, which slows ~8% (2 runs: 50.3 GB/s,
-# ~6%); 1 run x 16 programs keeps too few reads in flight (45 GB/s), more programs or runs
+# benchmarks/results/transfer/transfer_h200.json): with a full grid every runs/warps choice
+# moves ~51 GB/s of random 4 KiB blocks but slows a concurrent decode attention 2.7x. 16
+# persistent programs x 4 runs keep ~51 GB/s alone and ~50.7 GB/s beside attention, which
+# slows ~8% (2 runs: 50.3 GB/s, ~6%); 1 run x 16 programs keeps too few reads in flight
+# (45 GB/s), more programs or runs
 # slow the attention more (2 runs x 32 programs: 20%, 4 x 32: 57%).
 DEFAULT_RUNS_PER_PROGRAM = 4
 DEFAULT_NUM_WARPS = 4

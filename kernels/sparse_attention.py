@@ -54,7 +54,7 @@ PROGRAMS_PER_SM = 2
 # A batch with at most FEW_ROWS_PER_SM (request, kv head) rows per SM aims for more splits: at
 # 4 and 17 requests x 8 kv heads on 132 SMs, 8 programs per SM took 21.5 / 64.9 us per layer
 # against 2's 24.9 / 74.0; at 30 requests 2 stays faster (86.1 against 94.3 us;
-# benchmarks/results/sparse_attention_h200.json, CUDA graphs, L2 flushed). Without the
+# benchmarks/results/kernels/sparse_attention_h200.json, CUDA graphs, L2 flushed). Without the
 # padding-tile branch (below), 4 programs per SM beat 8 at 19 requests: 56.4 against 58.8 us
 # (sparse_attention_h200_pipelining_b19.json).
 FEW_ROWS_PER_SM = 1.5

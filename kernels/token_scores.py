@@ -188,7 +188,7 @@ def _label_token_scores_kernel(
 
 # The label-max launch: tokens (whole blocks) per program and warps. At 128k x 32, 16 bf16
 # label channels, 256 and 1024 tokens with 4 warps were the fastest (404 / 402 us; 8 warps
-# 468-653 us, 4096 tokens 584-1196 us: benchmarks/results/label_max_launch_h200.json). The
+# 468-653 us, 4096 tokens 584-1196 us: benchmarks/results/operator/label_max_launch_h200.json). The
 # kernel reads ~2.7 TB/s of bf16 labels, and fp8 labels are no faster (416 us): it is bound
 # by its instructions per token, not by the labels' bytes. Reading the head-major label cache
 # a page at a time (one lookup and one contiguous run per page) was no faster either (434 /

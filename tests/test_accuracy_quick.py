@@ -289,7 +289,7 @@ def test_reference_agreement_and_column(tmp_path):
 @pytest.mark.server
 def test_quick_mode_end_to_end(tmp_path):
     out = tmp_path / "accuracy.json"
-    default_out = os.path.join(REPO, "benchmarks", "results", "accuracy_smollm2.json")
+    default_out = os.path.join(REPO, "benchmarks", "results", "accuracy", "accuracy_smollm2.json")
     before = os.path.getmtime(default_out) if os.path.exists(default_out) else None
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.accuracy.driver", "--quick", "--out", str(out),

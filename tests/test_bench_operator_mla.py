@@ -17,7 +17,8 @@ from benchmarks import bench_operator_mla as mla
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(),
                               reason="the interpreter check; the GPU runs --check at full shapes")
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "operator_h200.json"
+RESULTS = (Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "operator"
+           / "operator_h200.json")
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,7 @@
 Decode steps attend through :mod:`sglang_ext.selection` (the server's reference decode): the
 same selection functions and, with ``--guard-every``, the same guard
 (:class:`~sglang_ext.selection.guard.RequestGuard`), registered as a Hugging Face attention
-function. Output: ``benchmarks/results/longgen_smollm2.json`` (rows ``method``, ``budget``,
+function. Output: ``benchmarks/results/accuracy/longgen_smollm2.json`` (rows ``method``, ``budget``,
 ``guard``, ``position``, ``nll_gap``, ``top1_agree``; ``summary`` rows with the drift onset,
 divergence and repetition) and a plot beside it.
 
@@ -48,7 +48,7 @@ from sglang_ext.selection.guard import GuardPolicy, RequestGuard, selection_reca
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_MODEL = os.path.join(REPO, ".models", "smollm2")
-DEFAULT_OUT = os.path.join(REPO, "benchmarks", "results", "longgen_smollm2.json")
+DEFAULT_OUT = os.path.join(REPO, "benchmarks", "results", "accuracy", "longgen_smollm2.json")
 ATTN_NAME = "sglang_ext_longgen"
 DENSE = "dense"
 
@@ -355,7 +355,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         candidate = os.path.join(args.model_path, "sparse_labels.json")
         label_config = candidate if os.path.isfile(candidate) else None
 
-    from tqdm import tqdm
+    from sglang_ext.progress import progress as progress_bar
 
     t0 = time.time()
     model, tokenizer, hook = load_model(args.model_path, label_config, args.label_channels)
@@ -367,8 +367,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         settings.append(Setting("two_level", 4096, False))
     # dense text, teacher-forced batch (+ dense greedy, free-running batch)
     phases = 4 if args.free_running else 2
-    bar = tqdm(total=args.tokens * phases, desc="decode steps", unit="step", file=sys.stderr,
-               disable=not sys.stderr.isatty() and not os.environ.get("LONGGEN_PROGRESS"))
+    bar = progress_bar(total=args.tokens * phases, desc="decode steps", unit="step",
+                       enabled=sys.stderr.isatty() or bool(os.environ.get("LONGGEN_PROGRESS")))
 
     params = [selection_params(s, args.block_size, args.sink, args.window_tokens)
               for s in settings]

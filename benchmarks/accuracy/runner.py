@@ -28,7 +28,6 @@ import requests
 import sglang as sgl
 from sglang.global_config import global_config
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
-from tqdm import tqdm
 
 from benchmarks.accuracy import tasks as T
 from benchmarks.results_io import git_commit  # noqa: F401  (the suite's results name it)
@@ -41,6 +40,7 @@ from sglang_ext.config import (
     locality_limited_candidate_blocks,
     locality_new_blocks_for_share,
 )
+from sglang_ext.progress import progress as progress_bar
 
 METHODS = ("quest", "ds", "two_level")
 # two_level variants (Fluxion), each a method name in the rows; "head_policy" needs servers
@@ -318,8 +318,8 @@ def run_suite(urls: "str | Sequence[str]", samples: Sequence[T.Sample], settings
     todo = list(samples)
     todo.reverse()  # pop() takes them in order
     lock = threading.Lock()
-    bar = tqdm(total=len(samples) * len(settings), unit="req", disable=not progress,
-               dynamic_ncols=True, smoothing=0.05)
+    bar = progress_bar(total=len(samples) * len(settings), unit="req", enabled=progress,
+                       dynamic_ncols=True, smoothing=0.05)
     all_rows: list[dict] = []
     all_results: list[Result] = []
     state = {"stopped": False, "prefill": 0.0, "error": None}

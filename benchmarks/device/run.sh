@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One self-contained run on the GPU host (see ../shared/gpu/README.md): unpack the SGLang bundle,
-# install this repo, then the named steps. Results land in $OUT (or benchmarks/results).
+# install this repo, then the named steps. Results land in $OUT (flat: the device machine's output
+# folder) or, without $OUT, in the step's suite folder benchmarks/results/SUITE/ (see suite below).
 # Usage: bash benchmarks/device/run.sh COMMIT STEP...
 #   steps: env fi-warmup fi-wait fi-pack gputests clock operator mla-operator sparse-attention
 #   tier fluxion transfer server e2e soak capacity locality profile tp2-greedy mla-e2e pack-logs
@@ -8,11 +9,22 @@
 #   (tp2-greedy: on nvidia-h200-x2; real weights: gguf-part in consecutive warm calls, then
 #   smollm2 and fidelity, see ../shared/gpu/README.md)
 # gputests: GPUTESTS_K (a pytest -k expression), GPUTESTS_ARGS (more pytest words), GPUTESTS_SECONDS
+# operator, server and fidelity run benchmarks/run.py (what the Makefile's bench-* targets call).
 # Wheels in .whl/ (carried, git-ignored; e.g. prometheus_client for --enable-metrics, which the
 # bundle lacks) are installed first.
 set -uo pipefail
 export SGLANG_EXT_COMMIT=${1:?commit}; shift
-OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"
+OUT_GIVEN=${OUT:-}
+suite() {  # a step's folder under benchmarks/results/ (benchmarks/results_io.py: SUITES)
+  case $1 in
+    operator|mla-operator) echo operator ;;
+    sparse-attention) echo kernels ;;
+    tier|fluxion|transfer|locality) echo "$1" ;;
+    fidelity) echo accuracy ;;
+    gputests|clock) echo gputests ;;
+    *) echo serving ;;
+  esac
+}
 export PYTHONUNBUFFERED=1
 python3 .gpu/unpack.py >/dev/null && export PYTHONPATH=/tmp/site:$PWD || exit 1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -29,6 +41,7 @@ status=0
 warmups=()
 for step in "$@"; do
   echo "=== $step $(date +%T)"
+  OUT=${OUT_GIVEN:-benchmarks/results/$(suite "$step")}; mkdir -p "$OUT"
   case $step in
     env)
       nvidia-smi --query-gpu=name,memory.total --format=csv
@@ -40,7 +53,7 @@ for step in "$@"; do
         | tee "$OUT/gputests.log" | tail -25
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     operator)
-      python3 benchmarks/bench_operator.py --check --out "$OUT" ${OPERATOR_ARGS:-} || status=1 ;;
+      python3 -m benchmarks.run operator --out "$OUT" ${OPERATOR_ARGS:-} || status=1 ;;
     mla-operator)
       # DeepSeek-V2-Lite's MLA layer: ours vs SGLang's Triton MLA decode and FlashInfer MLA; its
       # rows go into operator_h200.json beside the MHA rows
@@ -54,9 +67,9 @@ for step in "$@"; do
     transfer)
       python3 benchmarks/bench_transfer.py --out "$OUT" ${TRANSFER_ARGS:-} || status=1 ;;
     server)
-      python3 benchmarks/e2e_serving.py --out "$OUT" --configs sglang_ext --input-len 32768 \
-        --output-len 128 --num-prompts 4 --concurrency 4 --extra "--mem-fraction-static 0.75" \
-        || status=1
+      python3 -m benchmarks.run serving --out "$OUT" --model .gpu/models/qwen3-8b-shape \
+        --tokenizer .gpu/models/tokenizer \
+        --configs sglang_ext --output-len 128 --num-prompts 4 --concurrency 4 || status=1
       grep -E "Traceback|Error|memory leak" "$OUT/server_sglang_ext.log" | head -20 ;;
     e2e)
       python3 benchmarks/e2e_serving.py --out "$OUT" --configs ${E2E_CONFIGS:-flashinfer sglang_ext} \
@@ -186,8 +199,8 @@ for step in "$@"; do
       # The accuracy suite on SmolLM2's real weights through the served GPU path (Triton
       # impl, CUDA graphs), every setting per request on one server per (block, storage):
       # benchmarks/results/accuracy/ (FIDELITY_ARGS: more gpu_suite flags).
-      python3 -m benchmarks.accuracy.gpu_suite --model-dir /tmp/smollm2 --out-dir "$OUT" \
-        --combined "$OUT/accuracy_gpu_smollm2.json" ${FIDELITY_ARGS:-} || status=1 ;;
+      python3 -m benchmarks.run accuracy --out "$OUT" --model-dir /tmp/smollm2 \
+        ${FIDELITY_ARGS:-} || status=1 ;;
     fi-warmup)
       # FlashInfer JIT-compiles its kernels at a server's first start (~5 min on a fresh
       # machine). The cache (~/.cache/flashinfer) outlives the call while the machine is held,

@@ -21,7 +21,7 @@ query instead (:class:`PreviousQueries`) and ranks the blocks with it: the same 
 CPU accuracy suite (a request may ask for it: ``custom_params.sparse.block_filter``).
 
 Measured: ≈ 7% off a 128k decode step on an H200, and 15 points off the CPU accuracy suite
-(SmolLM2, budgets 64 / 128: benchmarks/results/accuracy_async_filter_smollm2.md), so it is
+(SmolLM2, budgets 64 / 128: benchmarks/results/accuracy/accuracy_async_filter_smollm2.md), so it is
 off by default.
 """
 

@@ -236,10 +236,11 @@ def dequantize_tensor(tensor: Any) -> np.ndarray:
 def convert_tensors(reader: Any, *, n_heads: int, n_kv_heads: int, progress: bool = True) -> dict[str, Any]:
     """Dequantize, un-permute and rename every tensor; returns HF name -> bf16 torch tensor."""
     import torch
-    from tqdm import tqdm
+
+    from sglang_ext.progress import progress as progress_bar
 
     out: dict[str, torch.Tensor] = {}
-    for tensor in tqdm(reader.tensors, desc="dequantize", unit="tensor", disable=not progress):
+    for tensor in progress_bar(reader.tensors, desc="dequantize", unit="tensor", enabled=progress):
         name = hf_tensor_name(tensor.name)
         values = dequantize_tensor(tensor)
         if name.endswith("self_attn.q_proj.weight"):

@@ -201,10 +201,10 @@ def run_windows(model: nn.Module, windows: list[Tensor], callback: QKCallback, *
                 progress: bool) -> None:
     """Run the model over each token window (an independent sequence from position 0), calling
     ``callback(layer, q, k)`` with every layer's post-RoPE q / k, with a progress bar."""
-    from tqdm import tqdm
+    from sglang_ext.progress import progress as progress_bar
 
-    bar = tqdm(total=len(windows) * model_dims(model)["num_layers"], desc=desc, unit="layer",
-               disable=not progress)
+    bar = progress_bar(total=len(windows) * model_dims(model)["num_layers"], desc=desc,
+                       unit="layer", enabled=progress)
 
     def counted(layer: int, q: Tensor, k: Tensor) -> None:
         callback(layer, q, k)

@@ -56,6 +56,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
+from sglang_ext.progress import progress as progress_bar
 from sglang_ext.selection.calibrate import (
     attention_modules,
     capture_post_rope_qk,
@@ -108,11 +109,12 @@ class LayerQKV:
 
 
 @torch.no_grad()  # not inference_mode: the tensors are used under autograd later
-def capture_windows(model: nn.Module, windows: Sequence[Tensor]) -> list[list[LayerQKV]]:
+def capture_windows(model: nn.Module, windows: Sequence[Tensor], *,
+                    progress: bool = True) -> list[list[LayerQKV]]:
     """Per window, per layer: what the frozen model's attention sees."""
     device = next(model.parameters()).device
     out: list[list[LayerQKV]] = []
-    for ids in windows:
+    for ids in progress_bar(windows, desc="frozen forward", unit="window", enabled=progress):
         qk: dict[int, tuple[Tensor, Tensor]] = {}
         vs: dict[int, Tensor] = {}
         handles = []
@@ -199,7 +201,8 @@ def position_loss(heads: EvictionHeads, layer: int, qkv: LayerQKV, t: int, cfg: 
 
 @torch.no_grad()
 def evaluate(heads: EvictionHeads, data: list[list[LayerQKV]], cfg: TrainConfig, *,
-             channels: Tensor | None = None, steps: int = 32) -> dict[str, dict[str, float]]:
+             channels: Tensor | None = None, steps: int = 32,
+             progress: bool = True) -> dict[str, dict[str, float]]:
     """Per selection, ``error``: the hard-selection error (relative squared error of the attention output vs dense, as in
     training) on ``data`` (held-out windows), decoding the last ``steps`` positions of each
     window one step at a time as the server does (the query-agnostic state carried from step to
@@ -217,8 +220,11 @@ def evaluate(heads: EvictionHeads, data: list[list[LayerQKV]], cfg: TrainConfig,
     sums = {name: 0.0 for name, _, _ in kinds}
     gammas: dict[str, list[float]] = {name: [] for name, _, _ in kinds}
     n = 0
+    bar = progress_bar(total=len(data) * len(data[0]), desc="evaluate", unit="layer",
+                       enabled=progress)
     for window in data:
         for layer, qkv in enumerate(window):
+            bar.update(1)
             ch = None if channels is None else channels[layer]
             head = _Fixed(heads.token_scores(layer, qkv.v))
             states = {name: LocalityState(qkv.k.shape[1]) for name, _, _ in kinds}
@@ -238,6 +244,7 @@ def evaluate(heads: EvictionHeads, data: list[list[LayerQKV]], cfg: TrainConfig,
                 n += 1
             for name in states:
                 gammas[name] += states[name].locality
+    bar.close()
     return {k: {"error": sums[k] / max(n, 1),
                 "gamma": sum(gammas[k]) / max(len(gammas[k]), 1),
                 "gamma_min": min(gammas[k], default=0.0)} for k in sums}
@@ -248,15 +255,13 @@ def train(heads: EvictionHeads, data: list[list[LayerQKV]], cfg: TrainConfig, *,
           fixed_batch: bool = False) -> list[dict[str, float]]:
     """Adam on the heads; returns the loss curve (one entry per step). ``fixed_batch``: every
     step sees the same windows and positions (the test that the loss goes down)."""
-    from tqdm import tqdm
-
     gen = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.Adam(heads.parameters(), lr=cfg.lr)
     num_layers = len(data[0])
     length = data[0][0].k.shape[0]
     curve: list[dict[str, float]] = []
     batch = None
-    bar = tqdm(range(cfg.steps), desc="eviction heads", unit="step", disable=not progress)
+    bar = progress_bar(range(cfg.steps), desc="eviction heads", unit="step", enabled=progress)
     for step in bar:
         if batch is None or not fixed_batch:
             wins = torch.randperm(len(data), generator=gen)[: cfg.batch].tolist()
@@ -334,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # One more window than trained on: held out for the evaluation.
     text, source = load_text(args.text, max_tokens=cfg.seq_len * (cfg.windows + 1))
     windows = token_windows(tokenizer, text, cfg.seq_len, cfg.windows + 1)
-    data = capture_windows(model, windows)
+    data = capture_windows(model, windows, progress=not args.no_progress)
     held_out, data = data[-1:], data[:-1]
     del model
     label_path = args.label_config
@@ -350,9 +355,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"k_e {cfg.locality_blocks}, labels {label_path or 'none (exact q·k)'}", flush=True)
     heads = EvictionHeads(dims["num_layers"], dims["num_kv_heads"], dims["head_dim"],
                           generator=torch.Generator().manual_seed(cfg.seed)).to(args.device)
-    before = evaluate(heads, held_out, cfg, channels=channels)
+    before = evaluate(heads, held_out, cfg, channels=channels, progress=not args.no_progress)
     curve = train(heads, data, cfg, channels=channels, progress=not args.no_progress)
-    after = evaluate(heads, held_out, cfg, channels=channels)
+    after = evaluate(heads, held_out, cfg, channels=channels, progress=not args.no_progress)
     seconds = time.time() - t0
     every = max(1, len(curve) // 10)
     print("step  soft_loss  hard_loss")
