@@ -66,6 +66,7 @@ from sglang_ext.kernels.token_scores import (
     label_max_block_scores_batched,
     label_token_scores_batched,
 )
+from sglang_ext.kernels.rerank import exact_rerank_scores, shortlist_selection, take_top
 from sglang_ext.kernels.topk import _topk_row, topk_launch_config, topk_masked
 from sglang_ext.selection.reference import (
     SelectionParams,
@@ -426,7 +427,11 @@ class SparseDecodeWorkspace:
         if assemble_tile < 16 or assemble_tile & (assemble_tile - 1):
             raise ValueError(f"assemble_tile must be a power of two >= 16, got {assemble_tile}")
         self.assemble_tile = assemble_tile
-        self.mode, self.k_blocks, self.k_tokens = _selection_plan(params, max_blocks)
+        # --sparse-rerank: the selection lists a widened budget's shortlist, which the exact
+        # rerank (kernels/rerank.py) cuts to params.budget.
+        self.selection_params = shortlist_selection(params) if params.rerank else params
+        self.mode, self.k_blocks, self.k_tokens = _selection_plan(self.selection_params,
+                                                                  max_blocks)
         self.scatter_selected = (scatter_selected and self.fuse_assemble
                                  and self.mode == _MODE_CAND_TOKENS)
 
@@ -446,8 +451,16 @@ class SparseDecodeWorkspace:
         if self.scatter_selected:
             self.cand_slots = torch.empty_like(self.token_scores, dtype=i32)
             self.cand_positions = torch.empty_like(self.token_scores, dtype=i32)
-        self.slots = torch.empty(*shape, params.budget, dtype=i32, **kw)
-        self.positions = torch.empty(*shape, params.budget, dtype=i32, **kw)
+        listed = self.selection_params.budget
+        self.slots = torch.empty(*shape, listed, dtype=i32, **kw)
+        self.positions = torch.empty(*shape, listed, dtype=i32, **kw)
+        self.rerank_scores = self.rerank_top = self.reranked_slots = None
+        self.reranked_positions = None
+        if params.rerank:
+            self.rerank_scores = torch.empty(*shape, listed, dtype=f32, **kw)
+            self.rerank_top = torch.empty(*shape, params.budget, dtype=i32, **kw)
+            self.reranked_slots = torch.empty(*shape, params.budget, dtype=i32, **kw)
+            self.reranked_positions = torch.empty(*shape, params.budget, dtype=i32, **kw)
         self.attended_bitmap = self.gamma = None
         if params.locality_blocks:
             if params.eviction_score not in KERNEL_SCORE_KINDS:
@@ -513,7 +526,7 @@ def _block_scores(q: Tensor, kmin: Tensor | None, kmax: Tensor | None, req_to_to
     """The batch's block scores (``params.block_score``), into the workspace's buffer: Quest's
     bound from the page summaries, or each block's largest label score over its middle tokens
     (:func:`~sglang_ext.kernels.token_scores.label_max_block_scores_batched`)."""
-    p = ws.params
+    p = ws.selection_params
     batch = q.shape[0]
     if p.block_score == "label_max":
         return label_max_block_scores_batched(
@@ -595,6 +608,13 @@ def select_slots_batched(
     ws = workspace
     if batch > ws.max_batch or params != ws.params:
         raise ValueError("batch/params do not fit the workspace")
+    if params.rerank and (locality is not None or row_ks is not None or candidates is not None
+                          or page_map is not None or on_blocks is not None
+                          or attend_blocks is not None or on_token_scores is not None):
+        raise ValueError("the exact rerank does not combine with the tier, the locality "
+                         "constraint, per-request top-k sizes or given candidates")
+    reranked = params
+    params = ws.selection_params  # what the stages below list: the shortlist with a rerank
     if (locality is not None) != bool(params.locality_blocks):
         raise ValueError("the locality state goes with params.locality_blocks > 0 (and only)")
     if locality is not None and row_ks is not None:
@@ -625,7 +645,7 @@ def select_slots_batched(
     if k_block_rows is not None and ws.mode == _MODE_CAND_TOKENS:
         n_token_rows = k_block_rows * bs
 
-    write_pos = return_positions or locality is not None
+    write_pos = return_positions or locality is not None or bool(reranked.rerank)
     # The fused top-k scatters the winners' slots (and positions) that the token scoring left.
     scatter = ws.scatter_selected and ws.k_tokens > 0
 
@@ -719,6 +739,12 @@ def select_slots_batched(
         if locality is not None:
             locality_gamma_batched(locality, positions, slots, req_pool_indices, seq_lens,
                                    params, ws.attended_bitmap, ws.gamma)
+    if reranked.rerank:
+        scores = exact_rerank_scores(q, k_buffer, slots, positions, seq_lens, reranked,
+                                     ws.rerank_scores[:batch])
+        slots, positions = ws.reranked_slots[:batch], ws.reranked_positions[:batch]
+        take_top(ws.slots[:batch], ws.positions[:batch], scores, reranked.budget,
+                 ws.rerank_top[:batch], slots, positions, impl=ws.topk_impl)
     return (slots, positions) if return_positions else slots
 
 

@@ -100,6 +100,7 @@ def features() -> list[Feature]:
         Feature("guard", "accuracy guard", flags={"--sparse-guard-every": "32"}),
         Feature("abf", "async block filter (AsyncTLS)", flags={"--sparse-block-filter": "async"}),
         Feature("lmax", "label_max block score", flags={"--sparse-block-score": "label_max"}),
+        Feature("rrk", "exact rerank", flags={"--sparse-rerank": "4"}),
         Feature("flux", "Fluxion budgets (output_aware)",
                 flags={"--sparse-scoring": "output_aware"},
                 needs_flags={"--sparse-impl": "reference"}),

@@ -54,6 +54,11 @@ from server_utils import LABELS, free_port, launch_command, server_env
         ({"cooperative": "on", "tier": "async"}, "--sparse-cooperative"),  # all resident
         ({"cooperative_threads": -1}, "--sparse-cooperative-threads"),
         ({"cooperative_threads": "many"}, "--sparse-cooperative-threads"),
+        ({"rerank": 1}, "--sparse-rerank"),  # a shortlist of the budget's size reranks nothing
+        ({"rerank": -2}, "--sparse-rerank"),
+        ({"rerank": 4, "method": "quest"}, "--sparse-rerank"),  # quest scores no tokens
+        ({"rerank": 4, "scoring": "output_aware"}, "--sparse-rerank"),
+        ({"rerank": 4, "tier": "sync"}, "--sparse-rerank"),
     ],
 )
 def test_invalid_values_name_the_flag(values, flag):
@@ -377,3 +382,27 @@ def test_mla_models_rank_blocks_by_the_bound():
     assert mla_unsupported(build_config()) == []
     assert [flag for _, flag in mla_unsupported(build_config(block_score="label_max"))] == [
         "--sparse-block-score label_max"]
+
+
+def test_rerank_reaches_every_request_and_both_decodes():
+    """--sparse-rerank: accepted for ds and two_level by both decodes, reaches every request's
+    selection, and a request may set its own (or lose it by switching to quest)."""
+    from sglang_ext.attention.request_overrides import parse_override
+    from sglang_ext.patches.server_args import _force_compatible_settings
+
+    cfg = build_config(rerank=4)
+    assert parse_override(None, cfg).rerank == 4
+    assert parse_override({"sparse": {"method": "quest"}}, cfg).rerank == 0
+    assert parse_override({"sparse": {"rerank": 2}}, build_config()).rerank == 2
+    with pytest.raises(ValueError, match="rerank"):
+        parse_override({"sparse": {"rerank": "4"}}, build_config())
+    args = _cuda_server_args()
+    _force_compatible_settings(args, build_config(impl="triton", rerank=4, block_size=16))
+    # the automatic block filter keeps room for the whole shortlist, twice over
+    assert build_config(rerank=4).effective_candidate_blocks == \
+        4 * build_config().effective_candidate_blocks
+    assert parse_override({"sparse": {"rerank": 4}}, build_config()).candidate_blocks == \
+        build_config(rerank=4).effective_candidate_blocks
+    for values in ({"guard_every": 8}, {"block_filter": "async"}):
+        with pytest.raises(ConfigError, match="--sparse-rerank"):
+            build_config(rerank=4, **values)

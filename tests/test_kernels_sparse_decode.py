@@ -501,3 +501,43 @@ def test_gpu_cuda_graph_replay(method):
         torch.cuda.synchronize()
         eager = step(q, rows, seq, None)
         torch.testing.assert_close(static_out, eager, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method", ["ds", "two_level", "two_level_label_max"])
+@pytest.mark.parametrize("rerank", [2, 3])
+def test_exact_rerank_matches_reference(method, rerank):
+    """--sparse-rerank: the shortlist's slot list cut to the budget by the exact q·k selects
+    the reference's sets, for contexts within the budget, within the widened budget (ranked
+    whole) and past it."""
+    label_max = method.endswith("_label_max")
+    method = method.removesuffix("_label_max")
+    hq, hkv, head_dim, bs, sink, window, budget = 6, 2, 32, 4, 3, 5, 24
+    n_sel = budget - sink - window
+    params = SelectionParams(method, budget, bs, 2 * n_sel // bs, sink, window, rerank=rerank,
+                             block_score="label_max" if label_max else "bound")
+    wide = budget + min(rerank * n_sel, params.candidate_blocks * bs
+                        if method == "two_level" else rerank * n_sel) - n_sel
+    lens = [budget, budget + 7, wide, wide + 1, 97]
+    gen = case_generator("decode-rerank", method, label_max, rerank)
+    pb = make_paged_batch(gen, lens, hkv, head_dim, bs, dtype=torch.float32, device=DEVICE,
+                          summary_chunks=3)
+    q = random_values(gen, len(lens), hq, head_dim, dtype=torch.float32, device=DEVICE)
+    channels = _channels(gen, hkv, head_dim, 5, DEVICE)
+    _run_and_check(pb, q, params, channels, dtype=torch.float32)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("method", ["ds", "two_level"])
+def test_gpu_exact_rerank_real_shapes(method):
+    """Qwen3-8B layer, L 32k, budget 2048, 4x rerank, dyadic q/k (exact scores): the reference's
+    sets."""
+    gen = case_generator("gpu-decode-rerank", method)
+    pb = make_paged_batch(gen, GPU_LENS, 8, 128, 16, dtype=torch.bfloat16, device="cuda",
+                          summary_chunks=4, dyadic=True)
+    q = random_values(gen, 4, 32, 128, dtype=torch.bfloat16, device="cuda", dyadic=True)
+    channels = _channels(gen, 8, 128, 16, "cuda")
+    params = dataclasses.replace(_gpu_params(method), rerank=4)
+    if method == "two_level":
+        params = dataclasses.replace(params, candidate_blocks=4 * params.candidate_blocks)
+    _run_and_check(pb, q, params, channels)

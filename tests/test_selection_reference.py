@@ -547,3 +547,73 @@ def test_batched_reference_label_max_block_filter() -> None:
     assert any(not torch.equal(select_token_mask(q[i], keys[i], bound, channels),
                                select_token_mask(q[i], keys[i], label_max, channels))
                for i in range(3))
+
+
+def test_rerank_picks_by_exact_score_among_the_label_shortlist() -> None:
+    """``rerank``: the label scores shortlist rerank x n_sel tokens and the exact q·k picks the
+    n_sel among them: from scratch with a plain sort here; with a shortlist covering the whole
+    middle it is the exact top-k; and it differs from the label choice (so a decode that
+    ignores rerank fails)."""
+    hq, hkv, length = 6, 2, 256
+    gen = _gen("rerank")
+    q, keys, _ = _qkv(gen, hq, hkv, length)
+    channels = _random_channels(gen, hkv)
+    plain = SelectionParams("ds", 48, 4, 0, 4, 8)
+    n_sel = 48 - 4 - 8
+    lo, hi = 4, length - 8
+    for rerank in (2, 4):
+        p = dataclasses.replace(plain, rerank=rerank)
+        mask = select_token_mask(q, keys, p, channels)
+        label = label_token_scores(q, keys[lo:hi], channels)
+        exact = label_token_scores(q, keys[lo:hi], None)
+        for h in range(hkv):
+            shortlist = label[h].argsort(descending=True, stable=True)[: rerank * n_sel]
+            best = shortlist[exact[h, shortlist].argsort(descending=True, stable=True)[:n_sel]]
+            expected = torch.zeros(hi - lo, dtype=torch.bool)
+            expected[best] = True
+            assert torch.equal(mask[h, lo:hi], expected), (rerank, h)
+    whole = dataclasses.replace(plain, rerank=(hi - lo) // n_sel + 1)
+    assert torch.equal(select_token_mask(q, keys, whole, channels),
+                       select_token_mask(q, keys, plain, None))  # no channels: exact scores
+    assert not torch.equal(select_token_mask(q, keys, dataclasses.replace(plain, rerank=4),
+                                             channels),
+                           select_token_mask(q, keys, plain, channels))
+
+
+@pytest.mark.parametrize("bad", [1, -2])
+def test_rerank_values(bad: int) -> None:
+    with pytest.raises(ValueError, match="rerank"):
+        SelectionParams("ds", 48, 4, 0, 4, 8, rerank=bad)
+    with pytest.raises(ValueError, match="rerank"):
+        SelectionParams("quest", 48, 4, 0, 4, 8, rerank=2)
+
+
+def test_batched_reference_reranks_per_row() -> None:
+    """``BatchedSparseDecode`` reranks the rows that ask for it (two_level and ds) beside rows
+    that do not, each row as ``sparse_decode`` alone."""
+    hq, hkv = 6, 2
+    gen = _gen("batched-rerank")
+    lengths = [300, 263, 199, 280, 70]  # the last one's middle is within its shortlist
+    keys = [_randn(gen, n, hkv, D) * 3 for n in lengths]
+    values = [_randn(gen, n, hkv, DV) for n in lengths]
+    pool_k, pool_v = torch.cat(keys), torch.cat(values)
+    rows = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    start = 0
+    for i, n in enumerate(lengths):
+        rows[i, :n] = torch.arange(start, start + n)
+        start += n
+    channels = _random_channels(gen, hkv)
+    q = _randn(gen, len(lengths), hq, D)
+    two = SelectionParams("two_level", 48, 8, 10, 4, 8, block_score="label_max")
+    params = [dataclasses.replace(two, rerank=2), two, SelectionParams("ds", 48, 8, 0, 4, 8,
+                                                                       rerank=3),
+              SelectionParams("ds", 48, 8, 0, 4, 8), dataclasses.replace(two, rerank=2)]
+    out = BatchedSparseDecode(rows, lengths, params).decode(q, pool_k, pool_v, SM_SCALE, channels)
+    for i in range(len(lengths)):
+        expected = sparse_decode(q[i], keys[i], values[i], params[i], SM_SCALE, channels)
+        torch.testing.assert_close(out[i], expected, rtol=1e-5, atol=1e-5)
+    # a middle within the shortlist is ranked whole by the exact q.k, kept blocks or not
+    short = dataclasses.replace(two, rerank=2)
+    assert torch.equal(select_token_mask(q[4], keys[4], short, channels),
+                       select_token_mask(q[4], keys[4], SelectionParams("ds", 48, 8, 0, 4, 8),
+                                         None))

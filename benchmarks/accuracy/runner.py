@@ -66,6 +66,14 @@ VARIANTS = {
     # default where it applies, --sparse-block-score)
     "two_level_bound": {"method": "two_level", "head_policy": False, "block_score": "bound"},
     "output_aware": {"method": "two_level", "scoring": "output_aware"},
+    # exact rerank (--sparse-rerank): the label scores shortlist 2x / 4x the selected tokens
+    # and the exact q.k picks among them; the automatic block filter grows with the factor
+    "ds_rerank4": {"method": "ds", "head_policy": False, "rerank": 4},
+    "two_level_rerank2": {"method": "two_level", "head_policy": False, "rerank": 2},
+    "two_level_rerank4": {"method": "two_level", "head_policy": False, "rerank": 4},
+    # its control: the filter of a plain two_level, too narrow for the shortlist
+    "two_level_rerank4_narrow": {"method": "two_level", "head_policy": False, "rerank": 4,
+                                 FILTER_SCALE: 1.0},
     # AsyncTLS's asynchronous block filter: blocks ranked by the previous step's query (what
     # --sparse-block-filter async serves on the GPU), tokens by this step's
     "two_level_async": {"method": "two_level", "head_policy": False, "block_filter": "async"},
@@ -595,7 +603,9 @@ def render_plot(doc: dict, path: str) -> None:
               "locality_attention": "tab:cyan", "locality_limited": "tab:gray",
               "locality_limited_learned": "black", "two_level_async": "goldenrod",
               "two_level_async_wide": "darkgoldenrod", "two_level_wide": "darkgreen",
-              "two_level_bound": "lime"}
+              "two_level_bound": "lime", "ds_rerank4": "navajowhite",
+              "two_level_rerank2": "mediumseagreen", "two_level_rerank4": "seagreen",
+              "two_level_rerank4_narrow": "darkseagreen"}
 
     def get(task, ctx, method, budget):
         if task == "mean":

@@ -22,7 +22,7 @@ OVERRIDE_KEY = "sparse"
 DENSE = "dense"
 OVERRIDABLE = ("method", "budget", "block_size", "candidate_blocks", "sink", "window", "scoring",
                "head_policy", "locality_blocks", "eviction_score", "locality_new_blocks",
-               "block_filter", "block_score")
+               "block_filter", "block_score", "rerank")
 
 # What a request decodes with: SelectionParams, or None for dense attention.
 RequestSparsity = Optional[SelectionParams]
@@ -47,6 +47,7 @@ def selection_params(cfg: SparseConfig, use_head_policy: Optional[bool] = None) 
         label_dtype=cfg.label_dtype,
         summary_dtype=cfg.summary_dtype,
         block_score=cfg.effective_block_score,
+        rerank=cfg.rerank,
     )
 
 
@@ -74,7 +75,7 @@ def parse_override(custom_params: Optional[Mapping[str, Any]], base: SparseConfi
         raise ValueError(f"custom_params.{OVERRIDE_KEY}.head_policy needs a server started with "
                          f"--sparse-head-policy")
     values = dataclasses.asdict(base)
-    if "budget" in raw and "candidate_blocks" not in raw:
+    if {"budget", "rerank"} & set(raw) and "candidate_blocks" not in raw:
         values["candidate_blocks"] = 0  # re-derive the automatic value from the new budget
     if "method" in raw and raw["method"] != "two_level":
         # The server's output-aware scoring and locality constraint are two_level's (its fp8
@@ -85,12 +86,14 @@ def parse_override(custom_params: Optional[Mapping[str, Any]], base: SparseConfi
             values["locality_blocks"] = 0
         if raw["method"] != "ds":
             values["label_dtype"] = "auto"  # quest scores no tokens: the labels go unread
+            if "rerank" not in raw:
+                values["rerank"] = 0  # nor reranks them
     if raw.get("locality_blocks", values["locality_blocks"]) == 0 and \
             "locality_new_blocks" not in raw:
         values["locality_new_blocks"] = 0  # the limit belongs to the constraint: off with it
     if "block_score" not in raw and {"method", "locality_blocks", "block_filter"} & set(raw):
         values["block_score"] = "auto"  # the server's label_max may not apply to the request's
-    for key in ("locality_blocks", "locality_new_blocks"):
+    for key in ("locality_blocks", "locality_new_blocks", "rerank"):
         if key in raw and (isinstance(raw[key], bool) or not isinstance(raw[key], int)):
             raise ValueError(f"custom_params.{OVERRIDE_KEY}.{key} must be an integer, "
                              f"got {raw[key]!r}")

@@ -81,6 +81,7 @@ _MLA_UNSUPPORTED = (
     ("block_filter", "--sparse-block-filter async", lambda v: v == "async"),
     ("summary_dtype", "--sparse-summary-dtype fp8_e4m3", lambda v: v != "auto"),
     ("block_score", "--sparse-block-score label_max", lambda v: v == "label_max"),
+    ("rerank", "--sparse-rerank", lambda v: v > 0),
 )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -123,6 +124,8 @@ class SelectionParams:
     ``label_dtype`` / ``summary_dtype``: how the server stores the label channels and the page
     summaries (:data:`LABEL_DTYPES`, :data:`SUMMARY_DTYPE_NAMES`); the reference scores the
     values as stored, so that it selects what the kernels select.
+    ``rerank`` (ds, two_level with label scores): 0, or the label scores shortlist ``rerank``
+    times the selected tokens and the exact q·k picks among them (:func:`rerank_top_k_mask`).
     """
 
     method: str
@@ -140,6 +143,7 @@ class SelectionParams:
     label_dtype: str = "auto"
     summary_dtype: str = "auto"
     block_score: str = "bound"
+    rerank: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -175,6 +179,10 @@ class SelectionParams:
                 self.block_score != "bound" and self.method != "two_level"):
             raise ValueError(f"block_score must be one of {BLOCK_SCORES} (label_max: two_level), "
                              f"got {self.block_score!r} with {self.method!r}")
+        if self.rerank < 0 or self.rerank == 1 or (
+                self.rerank and (self.method not in ("ds", "two_level") or self.scoring != "score")):
+            raise ValueError(f"rerank must be 0 or >= 2 (ds, two_level with label scores), got "
+                             f"{self.rerank} with {self.method!r}, {self.scoring!r}")
         if self.method == "two_level" and self.candidate_blocks < 1:
             raise ValueError(
                 f"two_level needs candidate_blocks >= 1, got {self.candidate_blocks}"
@@ -288,6 +296,31 @@ def output_aware_token_mask(scores: Tensor, value_norms: Tensor, total: int,
     return _top_k_mask(flat, total).view_as(scores) & (scores > float("-inf"))
 
 
+def shortlist_tokens(params: SelectionParams) -> int:
+    """How many tokens the label scores shortlist for the exact rerank: ``rerank`` times the
+    selected ones, at most what two_level's candidate blocks hold. A middle this short (or
+    shorter) is ranked by the exact q·k whole, as a context within the budget is attended
+    whole."""
+    n_sel = params.budget - params.sink - params.window
+    if params.method == "two_level":
+        return min(params.rerank * n_sel, params.candidate_blocks * params.block_size)
+    return params.rerank * n_sel
+
+
+def rerank_top_k_mask(q: Tensor, keys: Tensor, label_scores: Tensor, k: int,
+                      rerank: int) -> Tensor:
+    """Bool ``[Hkv, M]``: the ``k`` best of ``keys`` ``[M, Hkv, D]`` by label score, or with
+    ``rerank`` by the exact q·k (all channels, max over each kv head's query heads) among the
+    ``rerank * k`` best by label score. Positions scored ``-inf`` (outside the kept blocks) are
+    never shortlisted."""
+    if not rerank:
+        return _top_k_mask(label_scores, k)
+    shortlist = _top_k_mask(label_scores, min(rerank * k, label_scores.shape[1]))
+    shortlist &= label_scores > float("-inf")
+    exact = label_token_scores(q, keys, None).masked_fill(~shortlist, float("-inf"))
+    return _top_k_mask(exact, k) & shortlist
+
+
 def _select_middle(
     q: Tensor,
     keys: Tensor,
@@ -307,8 +340,12 @@ def _select_middle(
     n_sel = params.budget - params.sink - params.window
     if n_sel == 0:
         return torch.zeros(keys.shape[1], hi - lo, dtype=torch.bool, device=keys.device)
+    if params.rerank and hi - lo <= shortlist_tokens(params):
+        return _top_k_mask(label_token_scores(q, keys[lo:hi], None), n_sel)
     if params.method == "ds":
-        return _top_k_mask(label_token_scores(q, keys[lo:hi], channels, params.label_dtype), n_sel)
+        return rerank_top_k_mask(q, keys[lo:hi],
+                                 label_token_scores(q, keys[lo:hi], channels, params.label_dtype),
+                                 n_sel, params.rerank)
 
     bs = params.block_size
     block_q = q if block_query is None else block_query
@@ -357,7 +394,7 @@ def _select_middle(
         norms = values[lo:hi].float().norm(dim=-1).transpose(0, 1)  # [Hkv, M]
         return output_aware_token_mask(scores, norms, n_sel * keys.shape[1],
                                        q.shape[-1] ** -0.5) & in_kept
-    return _top_k_mask(scores, n_sel) & in_kept
+    return rerank_top_k_mask(q, keys[lo:hi], scores, n_sel, params.rerank) & in_kept
 
 
 def retrieval_params(params: SelectionParams, num_kv_heads: int, num_retrieval: int) -> SelectionParams:
@@ -608,6 +645,9 @@ class BatchedSparseDecode:
         window = torch.tensor([p.window for p in params], device=dev)
         lo, hi = sink, lengths - window
         self.n_sel = torch.tensor([p.budget - p.sink - p.window for p in params], device=dev)
+        self.rerank = torch.tensor([p.rerank for p in params], device=dev)
+        self.shortlist = torch.tensor([shortlist_tokens(p) if p.rerank else 0 for p in params],
+                                      device=dev)
         self.middle = (pos >= lo[:, None]) & (pos < hi[:, None])  # [B, Lmax]
         self.always = valid & ~self.middle  # sink and window
         self.methods = {m: torch.tensor([i for i, p in enumerate(params) if p.method == m],
@@ -710,6 +750,13 @@ class BatchedSparseDecode:
                     ks = to_label_storage(ks, label_storage_dtype(self.label_dtype, ks.dtype))
             ks_t = ks.float().permute(1, 2, 0)  # [Hkv, C, U]
             tok_scores = self._pairwise_max(qs, ks_t, self.inv).transpose(0, 1)  # [B, Hkv, Lmax]
+        exact_scores: list[Tensor] = []  # the exact q.k of every position, once a row reranks
+
+        def exact() -> Tensor:
+            if not exact_scores:
+                keys_t = ku.float().permute(1, 2, 0)  # [Hkv, D, U]
+                exact_scores.append(self._pairwise_max(qg, keys_t, self.inv).transpose(0, 1))
+            return exact_scores[0]
 
         for g in self.block_groups:
             b = g["members"]
@@ -742,15 +789,12 @@ class BatchedSparseDecode:
             if two_rows.numel():
                 rows = b[two_rows]
                 s = tok_scores[rows].masked_fill(~in_kept[two_rows], neg_inf)
-                k = self.n_sel[rows].repeat_interleave(num_kv)
-                pick = _top_k_rows(s.reshape(-1, s.shape[-1]), k).view(s.shape)
-                selected[rows] = pick & in_kept[two_rows]
+                selected[rows] = self._top_tokens(rows, s, exact)
 
         ds = self.methods.get("ds")
         if ds is not None and ds.numel():
             s = tok_scores[ds].masked_fill(~self.middle[ds][:, None], neg_inf)
-            k = self.n_sel[ds].repeat_interleave(num_kv)
-            selected[ds] = _top_k_rows(s.reshape(-1, s.shape[-1]), k).view(s.shape)
+            selected[ds] = self._top_tokens(ds, s, exact)
 
         mask = selected | self.always[:, None]  # [B, Hkv, Lmax]
         if len(self.attend_groups) == 1:
@@ -760,6 +804,29 @@ class BatchedSparseDecode:
             out[members] = self._attend(q[members], mask[members], self.slots[members], k_buf,
                                         v_buf, sm_scale)
         return out
+
+    def _top_tokens(self, rows: Tensor, scores: Tensor, exact: Callable[[], Tensor]) -> Tensor:
+        """Bool ``[R, Hkv, Lmax]``: each row's ``n_sel`` best of its label ``scores`` (``-inf``:
+        not eligible), or where the row reranks :func:`rerank_top_k_mask`'s choice (a middle
+        within :func:`shortlist_tokens` ranked whole by the exact q·k). ``exact()``: the exact
+        q·k ``[B, Hkv, Lmax]``, computed once for the batch."""
+        num_kv, length = scores.shape[1], scores.shape[2]
+        flat = scores.reshape(-1, length)
+        n_sel = self.n_sel[rows].repeat_interleave(num_kv)
+        eligible = flat > float("-inf")
+        picked = _top_k_rows(flat, n_sel) & eligible
+        rerank = self.rerank[rows].repeat_interleave(num_kv)
+        if bool((rerank > 0).any()):
+            shortlist_k = torch.where(rerank > 0, self.shortlist[rows].repeat_interleave(num_kv),
+                                      n_sel).clamp(max=length)
+            shortlist = _top_k_rows(flat, shortlist_k) & eligible
+            middle = self.middle[rows].repeat_interleave(num_kv, dim=0)
+            whole = (middle.sum(1) <= shortlist_k)[:, None]
+            shortlist = torch.where(whole, middle, shortlist)
+            by_exact = exact()[rows].reshape(-1, length).masked_fill(~shortlist, float("-inf"))
+            reranked = _top_k_rows(by_exact, n_sel) & shortlist
+            picked = torch.where((rerank > 0)[:, None], reranked, picked)
+        return picked.view(scores.shape)
 
     @staticmethod
     def _attend(q: Tensor, mask: Tensor, slots: Tensor, k_buf: Tensor, v_buf: Tensor,
