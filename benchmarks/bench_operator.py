@@ -62,7 +62,9 @@ def add_case_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-score", default="label_max", choices=["bound", "label_max"],
                    help="two_level's block filter (--sparse-block-score; default: %(default)s)")
     p.add_argument("--candidate-blocks", type=int, default=0,
-                   help="two_level candidate blocks (0 = twice what the budget needs)")
+                   help="two_level candidate blocks (0 = the server's automatic value)")
+    p.add_argument("--rerank", type=int, default=0,
+                   help="--sparse-rerank's factor for ds / two_level (0 = off)")
 
 
 def parse_args(argv=None):
@@ -268,13 +270,17 @@ def measure_bandwidth(torch, gib: float = 2.0, iters: int = 10, device="cuda") -
 def selection_params(args):
     from sglang_ext.selection.reference import SelectionParams
 
-    n_sel = args.budget - args.sink - args.window
-    cand = args.candidate_blocks or max(1, 2 * -(-n_sel // args.block_size))
+    from sglang_ext.config import SparseConfig
+
+    rerank = args.rerank if args.method in ("ds", "two_level") else 0
+    cand = args.candidate_blocks or SparseConfig(
+        budget=args.budget, sink=args.sink, window=args.window, block_size=args.block_size,
+        rerank=rerank).effective_candidate_blocks
     return SelectionParams(args.method, args.budget, args.block_size, cand, args.sink,
                            args.window, label_dtype=args.label_dtype,
                            summary_dtype=SUMMARY_PARAM[args.summary_dtype],
                            block_score=args.block_score if args.method == "two_level"
-                           else "bound")
+                           else "bound", rerank=rerank)
 
 
 SUMMARY_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp8": "float8_e4m3fn"}
@@ -286,7 +292,8 @@ def selection_config(params) -> dict:
     """The selection settings a results file records."""
     return {"method": params.method, "budget": params.budget, "block_size": params.block_size,
             "sink": params.sink, "window": params.window,
-            "candidate_blocks": params.candidate_blocks, "block_score": params.block_score}
+            "candidate_blocks": params.candidate_blocks, "block_score": params.block_score,
+            "rerank": params.rerank}
 
 
 def summary_bytes_per_value(name: str) -> int:
@@ -583,7 +590,7 @@ def run_check(args) -> bool:
         params = SelectionParams(method, base.budget, bs, base.candidate_blocks, base.sink,
                                  base.window, summary_dtype=base.summary_dtype,
                                  block_score=base.block_score if method == "two_level"
-                                 else "bound")
+                                 else "bound", rerank=base.rerank if method != "quest" else 0)
         for use_channels in (False, True):
             gen = case_generator("bench-check", method, use_channels)
             pb = make_paged_batch(gen, lens, HKV, HEAD_DIM, bs, dtype=torch.bfloat16,
@@ -873,7 +880,7 @@ def run_benchmark(args, device: str = "cuda") -> dict:
                 builders.append(("ours_fi_attention", lambda: FlashInferSparseDecode(
                     torch, ours(args.topk_impl, select_only=True), q, k_buffer, v_buffer,
                     params.budget, sm_scale, fi_workspace)))
-            if args.breakdown:
+            if args.breakdown and not params.rerank:  # the stages of a plain selection
                 stage_ws = SparseDecodeWorkspace(
                     batch, HQ, HKV, HEAD_DIM, params, max_blocks, dev, torch.bfloat16,
                     topk_impl=args.topk_impl, block_score_precision=block_precision,

@@ -95,6 +95,12 @@ CONFIGS["sglang_ext_fi_fp8s_fp8kv_radix8"] = CONFIGS["sglang_ext_fi_fp8s_fp8kv"]
 BOUND = ["--sparse-block-score", "bound"]
 for _name in ("sglang_ext_fi", "sglang_ext_fi_fp8s", "sglang_ext_fi_fp8s_fp8kv"):
     CONFIGS[_name + "_bound"] = CONFIGS[_name] + BOUND
+# The exact rerank (--sparse-rerank 4: the label scores shortlist 4x the budget's tokens and the
+# exact q.k picks among them; the automatic block filter grows with it)
+RERANK = ["--sparse-rerank", "4"]
+for _name in ("sglang_ext_fi", "sglang_ext_fi_fp8s", "sglang_ext_fi_fp8s_fp8kv",
+              "sglang_ext_fi_fp8s_fp8kv_bound"):
+    CONFIGS[_name + "_rerank4"] = CONFIGS[_name] + RERANK
 # Environment a configuration's server gets beside its flags (shown in its rows)
 CONFIG_ENV: dict[str, dict[str, str]] = {
     "sglang_ext_fi_fp8s_fp8kv_radix8": {"SGLANG_EXT_TOPK_RADIX_BITS": "8,8"}}
