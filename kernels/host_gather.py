@@ -35,8 +35,8 @@ import triton.language as tl
 from torch import Tensor
 
 UNIT_BYTES = 4096  # bytes one unit (a contiguous piece of one run) moves at most
-# Launch defaults measured on an H200 (PCIe 5 x16, 55.6 GB/s contiguous; bench_transfer.py,
-# benchmarks/results/transfer/transfer_h200.json): with a full grid every runs/warps choice
+# Launch defaults measured on an H200 (PCIe 5 x16, 55.6 GB/s contiguous; bench_transfer.py, on
+# a work-in-progress tree whose results file was not kept: to re-measure): with a full grid every runs/warps choice
 # moves ~51 GB/s of random 4 KiB blocks but slows a concurrent decode attention 2.7x. 16
 # persistent programs x 4 runs keep ~51 GB/s alone and ~50.7 GB/s beside attention, which
 # slows ~8% (2 runs: 50.3 GB/s, ~6%); 1 run x 16 programs keeps too few reads in flight
@@ -268,7 +268,7 @@ class LiveEntries:
     and at a high hit rate most of them are hits (``-1``). Compacting such a list first was
     meant to keep more PCIe reads in flight, but it does not pay: with 10% of 1.3 M listed
     entries live, the gather moved 44.9 GB/s as listed and 44.7 GB/s compacted
-    (``bench_transfer.py``'s fetch-list rows, ``transfer_h200_fetch_list.json``), so the tier
+    (``bench_transfer.py``'s fetch-list rows, on a work-in-progress tree), so the tier
     gathers its lists as they are and this stays for gathers of mostly skipped entries
     elsewhere. The buffers are allocated once for ``capacity`` entries; :meth:`compact` is a
     few static-shape device ops (no host sync: CUDA-graph safe)."""

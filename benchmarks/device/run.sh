@@ -3,7 +3,7 @@
 # install this repo, then the named steps. Results land in $OUT (flat: the device machine's output
 # folder) or, without $OUT, in the step's suite folder benchmarks/results/SUITE/ (see suite below).
 # Usage: bash benchmarks/device/run.sh COMMIT STEP...
-#   steps: env fi-warmup fi-wait fi-pack gputests clock operator mla-operator sparse-attention
+#   steps: env fi-warmup fi-wait fi-pack gputests clock operator rerank-operator mla-operator sparse-attention
 #   tier fluxion transfer server e2e soak capacity locality profile tp2-greedy mla-e2e pack-logs
 #   gguf-part smollm2 fidelity
 #   (tp2-greedy: on nvidia-h200-x2; real weights: gguf-part in consecutive warm calls, then
@@ -17,7 +17,7 @@ export SGLANG_EXT_COMMIT=${1:?commit}; shift
 OUT_GIVEN=${OUT:-}
 suite() {  # a step's folder under benchmarks/results/ (benchmarks/results_io.py: SUITES)
   case $1 in
-    operator|mla-operator) echo operator ;;
+    operator|mla-operator|rerank-operator) echo operator ;;
     sparse-attention) echo kernels ;;
     tier|fluxion|transfer|locality) echo "$1" ;;
     fidelity) echo accuracy ;;
@@ -54,6 +54,19 @@ for step in "$@"; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     operator)
       python3 -m benchmarks.run operator --out "$OUT" ${OPERATOR_ARGS:-} || status=1 ;;
+    rerank-operator)
+      # The exact rerank's cost at the headline shape (128k x 32, block 32, budget 2048):
+      # two_level by the label maximum and by the bound, rerank off / 2 / 4, each file with
+      # its FlashInfer baseline from the same call (RERANK_OPERATOR_ARGS: more flags)
+      for score in label_max bound; do
+        for factor in 0 2 4; do
+          python3 -m benchmarks.run operator --out "$OUT" --contexts 131072 --batches 32 \
+            --block-size 32 --fi-page-size 32 --block-score "$score" --rerank "$factor" \
+            --skip-triton --no-compare-topk --no-compare-block-score --no-compare-scatter \
+            --no-compare-label-cache --no-fi-sparse --tag "rerank_${score}_$factor" \
+            ${RERANK_OPERATOR_ARGS:-} || status=1
+        done
+      done ;;
     mla-operator)
       # DeepSeek-V2-Lite's MLA layer: ours vs SGLang's Triton MLA decode and FlashInfer MLA; its
       # rows go into operator_h200.json beside the MHA rows
