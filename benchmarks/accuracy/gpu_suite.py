@@ -166,7 +166,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--ratios", nargs="+", type=int, default=[16, 32, 64],
                    help="budgets are context / ratio")
     p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS))
-    p.add_argument("--methods", nargs="+", default=["two_level", "two_level_bound", "ds"])
+    p.add_argument("--methods", nargs="+", default=["two_level", "two_level_rerank4",
+                                                    "two_level_bound", "ds", "ds_rerank4"])
     p.add_argument("--samples", type=int, default=50)
     p.add_argument("--parallel", type=int, default=16)
     p.add_argument("--context-length", type=int, default=8192)
