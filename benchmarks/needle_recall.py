@@ -89,16 +89,18 @@ class NeedleRecallAttention:
 
 
 def recommended_params(context: int, budget_share: int, block_size: int,
-                       block_score: str = "auto", candidate_scale: float = 1.0) -> SelectionParams:
+                       block_score: str = "auto", candidate_scale: float = 1.0,
+                       rerank: int = 0) -> SelectionParams:
     """two_level as a server with these flags selects it (sink and window shrunk for small
     budgets as in the accuracy suite); ``candidate_scale`` times the automatic filter."""
     budget = context // budget_share
     sink, window = shrunk_sink_window(budget)
     cfg = build_config(budget=budget, block_size=block_size, sink=sink, window=window,
-                       block_score=block_score)
+                       block_score=block_score, rerank=rerank)
     return SelectionParams("two_level", cfg.budget, cfg.block_size,
                            max(1, round(candidate_scale * cfg.effective_candidate_blocks)),
-                           cfg.sink, cfg.window, block_score=cfg.effective_block_score)
+                           cfg.sink, cfg.window, block_score=cfg.effective_block_score,
+                           rerank=cfg.rerank)
 
 
 @torch.inference_mode()

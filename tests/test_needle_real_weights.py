@@ -32,7 +32,8 @@ def recall() -> dict[str, float]:
     assert default.block_score == "label_max"  # the server's default where it applies
     settings = {"ds": dataclasses.replace(default, method="ds", block_score="bound"),
                 "default": default,
-                "bound": recommended_params(CONTEXT, BUDGET_SHARE, BLOCK_SIZE, "bound")}
+                "bound": recommended_params(CONTEXT, BUDGET_SHARE, BLOCK_SIZE, "bound"),
+                "rerank": recommended_params(CONTEXT, BUDGET_SHARE, BLOCK_SIZE, rerank=4)}
     return needle_recall(MODEL_DIR, settings, ["passkey", "niah_number"], CONTEXT, samples=8,
                          progress=False)
 
@@ -43,3 +44,10 @@ def test_the_default_block_filter_keeps_what_the_token_level_keeps(recall):
 
 def test_the_measure_catches_a_filter_that_drops_needles(recall):
     assert recall["bound"] <= recall["default"] - 0.05, recall
+
+
+def test_the_exact_rerank_keeps_more_than_label_scores_can(recall):
+    """--sparse-rerank 4 (the label scores' shortlist reranked by the exact q.k) keeps clearly
+    more of the needle than the token level by labels alone (0.92 against 0.81 when written);
+    a rerank that were skipped would sit at the label scores' recall."""
+    assert recall["rerank"] >= recall["ds"] + 0.05, recall
