@@ -268,7 +268,7 @@ def measure_bandwidth(torch, gib: float = 2.0, iters: int = 10, device="cuda") -
 
 
 def selection_params(args):
-    from sglang_ext.selection.reference import SelectionParams
+    from sglang_ext.selection.params import SelectionParams
 
     from sglang_ext.config import SparseConfig
 
@@ -776,7 +776,7 @@ def run_benchmark(args, device: str = "cuda") -> dict:
     if channels is not None and params.method in ("two_level", "ds"):
         from sglang_ext.kernels.label_cache import allocate_label_cache, update_label_cache
 
-        from sglang_ext.selection.reference import label_storage_dtype
+        from sglang_ext.selection.params import label_storage_dtype
 
         labels = allocate_label_cache(num_slots, HKV, r, dev,
                                       label_storage_dtype(args.label_dtype, torch.bfloat16))

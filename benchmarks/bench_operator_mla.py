@@ -389,7 +389,7 @@ def run_check(ours: CheckCase, baseline: CheckCase, params, methods: Sequence[st
         random_values,
     )
     from sglang_ext.selection.mla import mla_dense_decode, mla_sparse_decode
-    from sglang_ext.selection.reference import SelectionParams
+    from sglang_ext.selection.params import SelectionParams
 
     report = CheckReport()
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
@@ -478,7 +478,7 @@ def tiny_check_setup() -> dict[str, Any]:
     SGLang's split heuristic as on the GPU."""
     import torch
 
-    from sglang_ext.selection.reference import SelectionParams
+    from sglang_ext.selection.params import SelectionParams
 
     def shape(rank: int, rope: int) -> MLAShape:
         return MLAShape(num_q_heads=4, kv_lora_rank=rank, rope_dim=rope, scaling=0.125,

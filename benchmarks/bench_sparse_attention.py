@@ -299,7 +299,7 @@ def run_kv_write(torch, args, timer, failures: list[str]) -> list[dict]:
     from sglang_ext.kernels.block_summary import allocate_block_summaries, update_block_summaries
     from sglang_ext.kernels.decode_write import FP8_KV, write_decode_kv
     from sglang_ext.kernels.label_cache import allocate_label_cache, update_label_cache
-    from sglang_ext.selection.reference import FP8_SUMMARIES
+    from sglang_ext.selection.params import FP8_SUMMARIES
 
     layers, bs, r, slots = 36, args.block_size, 16, 1 << 16
     pool = MHATokenToKVPool(size=slots, page_size=bs, dtype=FP8_KV, head_num=HKV,

@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     from sglang_ext.kernels.sparse_decode import SparseDecodeWorkspace, sparse_decode_batched
     from sglang_ext.memory_tier.host_store import HostKVStore
     from sglang_ext.memory_tier.working_set import WorkingSetTier
-    from sglang_ext.selection.reference import SelectionParams
+    from sglang_ext.selection.params import SelectionParams
 
     dev = torch.device("cuda")
     bs, B, L, NL = args.block_size, args.batch, args.context, args.layers

@@ -34,7 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sglang_ext.kernels.block_summary import SUMMARY_DTYPES as _SUMMARY_DTYPES
-from sglang_ext.selection.reference import FP8_SUMMARIES
+from sglang_ext.selection.params import FP8_SUMMARIES
 from sglang_ext.kernels.sparse_attention import head_dim_tiling, sm_count
 from sglang_ext.selection.reference import quest_block_scores
 

@@ -42,7 +42,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sglang_ext.selection.reference import FP8_MAX, FP8_SUMMARIES, round_summaries
+from sglang_ext.selection.params import FP8_MAX, FP8_SUMMARIES
+from sglang_ext.selection.reference import round_summaries
 
 FP8_LIMIT: tl.constexpr = tl.constexpr(FP8_MAX)
 

@@ -39,7 +39,7 @@ from sglang_ext.kernels.block_summary import (
     FP8_LIMIT, SUMMARY_DTYPES, fold_into_summary, update_block_summaries_ref,
 )
 from sglang_ext.kernels.label_cache import update_label_cache_ref
-from sglang_ext.selection.reference import FP8_SUMMARIES
+from sglang_ext.selection.params import FP8_SUMMARIES
 
 # The cache dtypes this kernel writes besides the keys' own (SGLang's fp8_e4m3 KV cache).
 FP8_KV = torch.float8_e4m3fn

@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sglang_ext.kernels.topk import topk_masked
-from sglang_ext.selection.reference import SelectionParams, shortlist_tokens
+from sglang_ext.selection.params import SelectionParams, shortlist_tokens
 
 RERANK_TILE = 64  # listed tokens per program
 # The score of an entry kept whatever it scores: finite (the top-k takes finite entries only)

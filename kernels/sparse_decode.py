@@ -68,12 +68,8 @@ from sglang_ext.kernels.token_scores import (
 )
 from sglang_ext.kernels.rerank import exact_rerank_scores, shortlist_selection, take_top
 from sglang_ext.kernels.topk import _topk_row, topk_launch_config, topk_masked
-from sglang_ext.selection.reference import (
-    SelectionParams,
-    label_storage_dtype,
-    select_token_mask,
-    sparse_attention_with_lse,
-)
+from sglang_ext.selection.params import SelectionParams, label_storage_dtype
+from sglang_ext.selection.reference import select_token_mask, sparse_attention_with_lse
 
 # Slots the fused top-k + assembly kernel assembles per pass. At 19 requests x 32k, block 32,
 # budget 2048: 1024 took 14.5 us per layer against 20.8 us for the whole list in one pass

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from sglang_ext.selection.reference import (
+from sglang_ext.selection.params import (
     BLOCK_SCORES,
     LABEL_DTYPES,
     METHODS,

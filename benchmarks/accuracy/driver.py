@@ -42,7 +42,7 @@ import requests  # noqa: E402
 from benchmarks.accuracy import runner as R  # noqa: E402
 from benchmarks.accuracy import tasks as T  # noqa: E402
 from server_utils import LABELS, MODEL_DIR, Server  # noqa: E402  (tests/server_utils.py)
-from sglang_ext.selection.reference import LABEL_DTYPES, SUMMARY_DTYPE_NAMES  # noqa: E402
+from sglang_ext.selection.params import LABEL_DTYPES, SUMMARY_DTYPE_NAMES  # noqa: E402
 
 DEFAULT_OUT = os.path.join(REPO, "benchmarks", "results", "accuracy", "accuracy_smollm2.json")
 DEFAULT_CONTEXTS = (1024, 2048, 4096)

@@ -44,11 +44,8 @@ from sglang_ext.selection.guard import (
     widened,
 )
 from sglang_ext.selection.mla import kv_layout, mla_config, mla_unsupported, pool_kv_lora_rank
-from sglang_ext.selection.reference import (
-    BatchedSparseDecode,
-    SelectionParams,
-    summary_storage_dtype,
-)
+from sglang_ext.selection.params import SelectionParams, summary_storage_dtype
+from sglang_ext.selection.reference import BatchedSparseDecode
 from sglang_ext.tensor_parallel import attn_tp, rank_kv_heads
 
 if TYPE_CHECKING:
@@ -303,7 +300,7 @@ class SparseDecodeBackend(AttentionBackend):
         if self.label_channels is None or not self.config.keeps_label_cache:
             return None
         from sglang_ext.kernels.label_cache import allocate_label_cache
-        from sglang_ext.selection.reference import label_storage_dtype
+        from sglang_ext.selection.params import label_storage_dtype
 
         pool = self.token_to_kv_pool
         k0 = pool.get_key_buffer(pool.start_layer)

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sglang_ext.selection.reference import SelectionParams, _group_queries
+from sglang_ext.selection.params import SelectionParams
+from sglang_ext.selection.reference import _group_queries
 
 PATIENCE = 4  # probes in a row with high recall before the budget is halved
 

@@ -43,8 +43,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sglang_ext.selection.params import SelectionParams
 from sglang_ext.selection.reference import (
-    SelectionParams,
     _group_queries,
     _top_k_mask,
     block_minmax,

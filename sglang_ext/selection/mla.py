@@ -53,8 +53,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from sglang_ext.selection.params import SelectionParams
 from sglang_ext.selection.reference import (
-    SelectionParams,
     label_token_scores,
     quest_block_scores,
     select_token_mask,

@@ -72,7 +72,7 @@ from sglang_ext.selection.locality import (
     two_stage_pool,
     update_eviction_scores,
 )
-from sglang_ext.selection.reference import SelectionParams
+from sglang_ext.selection.params import SelectionParams
 
 
 @dataclass(frozen=True)
