@@ -156,10 +156,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "bound": recommended_params(args.context, args.budget_share, args.block_size, "bound"),
         "bound_x4": recommended_params(args.context, args.budget_share, args.block_size,
                                        "bound", candidate_scale=4),
+        "label_max_rerank4": recommended_params(args.context, args.budget_share,
+                                                args.block_size, rerank=4),
+        "ds_rerank4": dataclasses.replace(two_level, method="ds", block_score="bound", rerank=4),
     }
     recall = needle_recall(args.model_dir, settings, args.tasks, args.context, args.samples)
     for name, value in recall.items():
-        print(f"{name:14s} {value:.3f}")
+        print(f"{name:18s} {value:.3f}")
     return 0
 
 

@@ -14,6 +14,8 @@ costs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -31,8 +33,6 @@ KEPT = 3.0e38
 def shortlist_selection(params: SelectionParams) -> SelectionParams:
     """The selection whose slot list the rerank reads: the budget widened by the shortlist,
     without the rerank itself."""
-    import dataclasses
-
     n_sel = params.budget - params.sink - params.window
     return dataclasses.replace(
         params, rerank=0,
