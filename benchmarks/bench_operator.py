@@ -572,6 +572,8 @@ def run_check(args) -> bool:
     import torch
 
     from sglang_ext.kernels.sparse_decode import (
+        DecodeRows,
+        LayerCache,
         SparseDecodeWorkspace,
         select_slots_batched,
         sparse_decode_batched,
@@ -611,24 +613,20 @@ def run_check(args) -> bool:
                 r = args.label_channels or HEAD_DIM
                 channels = torch.stack([torch.randperm(HEAD_DIM, generator=gen)[:r]
                                         for _ in range(HKV)]).cuda()
-            out = sparse_decode_batched(q, pb.k_buffer, pb.v_buffer, pb.req_to_token,
-                                        pb.req_pool_indices, pb.seq_lens, pb.kmin, pb.kmax,
-                                        params, sm_scale, channels=channels)
+            cache = LayerCache(pb.k_buffer, pb.v_buffer, pb.kmin, pb.kmax, channels=channels)
+            rows = DecodeRows(pb.req_to_token, pb.req_pool_indices, pb.seq_lens)
+            out = sparse_decode_batched(q, cache, rows, params, sm_scale)
             ref, _, masks = sparse_decode_batched_ref(
                 q, pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens,
                 params, sm_scale, channels)
-            _, pos = select_slots_batched(q, pb.k_buffer, pb.req_to_token, pb.req_pool_indices,
-                                          pb.seq_lens, pb.kmin, pb.kmax, params,
-                                          channels=channels, return_positions=True)
+            _, pos = select_slots_batched(q, cache, rows, params, return_positions=True)
             bad_sets = 0  # (request, kv head) pairs whose selected set differs from the oracle
             for b in range(len(lens)):
                 for g in range(HKV):
                     got = pos[b, g][pos[b, g] >= 0].long().sort().values
                     bad_sets += not torch.equal(got, masks[b][g].nonzero().flatten())
             # the selection variants pick the very same slots
-            select_args = (q, pb.k_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens)
-            slots = select_slots_batched(*select_args, pb.kmin, pb.kmax, params,
-                                         channels=channels).clone()
+            slots = select_slots_batched(q, cache, rows, params).clone()
             variants = {
                 "fp32-summaries": dict(kmin=pb.kmin.float(), kmax=pb.kmax.float()),
                 "unfused": dict(fuse_assemble=False),
@@ -652,9 +650,10 @@ def run_check(args) -> bool:
                     fuse_assemble=kw.get("fuse_assemble", True),
                     topk_radix_bits=kw.get("topk_radix_bits"),
                     block_score_precision=kw.get("block_score_precision"))
-                other = select_slots_batched(*select_args, kw.get("kmin", pb.kmin),
-                                             kw.get("kmax", pb.kmax), params, channels=channels,
-                                             workspace=ws, labels=kw.get("labels"))
+                variant = LayerCache(pb.k_buffer, pb.v_buffer, kw.get("kmin", pb.kmin),
+                                     kw.get("kmax", pb.kmax), channels=channels,
+                                     labels=kw.get("labels"))
+                other = select_slots_batched(q, variant, rows, params, workspace=ws)
                 if not torch.equal(other, slots):
                     bad_variants.append(name)
             err = (out.float() - ref.float()).abs().max().item()
@@ -678,9 +677,9 @@ def run_check(args) -> bool:
         )[:, 0]
         for b in range(2)
     ])
-    results = {"ours": sparse_decode_batched(q, pb.k_buffer, pb.v_buffer, pb.req_to_token,
-                                             pb.req_pool_indices, pb.seq_lens, pb.kmin, pb.kmax,
-                                             base, sm_scale)}
+    results = {"ours": sparse_decode_batched(
+        q, LayerCache(pb.k_buffer, pb.v_buffer, pb.kmin, pb.kmax),
+        DecodeRows(pb.req_to_token, pb.req_pool_indices, pb.seq_lens), base, sm_scale)}
     r2t = pb.req_to_token[pb.req_pool_indices]
     if not args.skip_flashinfer:
         try:
@@ -725,6 +724,8 @@ def run_benchmark(args, device: str = "cuda") -> dict:
 
     from sglang_ext.kernels.sparse_decode import (
         ASSEMBLE_TILE,
+        DecodeRows,
+        LayerCache,
         SparseDecodeWorkspace,
         select_slots_batched,
         sparse_decode_batched,
@@ -807,6 +808,7 @@ def run_benchmark(args, device: str = "cuda") -> dict:
             seq_lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
             q = torch.randn(batch, HQ, HEAD_DIM, dtype=torch.bfloat16, device=dev, generator=gen)
             max_blocks = -(-context // bs)
+            decode_rows = DecodeRows(req_to_token, req_pool_indices, seq_lens)
 
             def ours(impl, select_only=False, summary=args.summary_dtype,
                      precision=block_precision, use_labels=args.label_cache,
@@ -823,13 +825,10 @@ def run_benchmark(args, device: str = "cuda") -> dict:
                                            assemble_tile=args.assemble_tile,
                                            scatter_selected=scatter)
                 lo, hi = summaries[summary]
+                cache = LayerCache(k_buffer, v_buffer, lo, hi, channels=channels, labels=lab)
                 if select_only:
-                    return lambda: select_slots_batched(
-                        q, k_buffer, req_to_token, req_pool_indices, seq_lens, lo, hi,
-                        prm, channels=channels, workspace=ws, labels=lab)
-                return lambda: sparse_decode_batched(
-                    q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, lo, hi,
-                    prm, sm_scale, channels=channels, workspace=ws, labels=lab)
+                    return lambda: select_slots_batched(q, cache, decode_rows, prm, ws)
+                return lambda: sparse_decode_batched(q, cache, decode_rows, prm, sm_scale, ws)
 
             outs = {}
             builders = [("ours", lambda: ours(args.topk_impl)),
@@ -887,9 +886,10 @@ def run_benchmark(args, device: str = "cuda") -> dict:
                     topk_radix_bits=args.topk_radix_bits, fuse_assemble=args.fuse_assemble,
                     assemble_tile=args.assemble_tile, scatter_selected=args.scatter_selected)
                 stage_labels = labels if args.label_cache else None
+                stage_cache = LayerCache(k_buffer, v_buffer, kmin, kmax, channels=channels,
+                                         labels=stage_labels)
                 stage_select = lambda: select_slots_batched(  # noqa: E731
-                    q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, kmax, params,
-                    channels=channels, workspace=stage_ws, labels=stage_labels)
+                    q, stage_cache, decode_rows, params, stage_ws)
                 builders += [(f"stage_{name}", build) for name, build in stage_builders(
                     q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, kmax, params,
                     channels, stage_ws, stage_select, stage_labels)]

@@ -278,6 +278,8 @@ def ours_decode(torch, q, k_buffer, shape: MLAShape, req_to_token, seq_lens, kmi
     """Our sparse decode on the MLA layout, called as the server's backend calls it: one latent
     kv head, values the view ``k_buffer[..., :R]``, a workspace sized for this batch."""
     from sglang_ext.kernels.sparse_decode import (
+        DecodeRows,
+        LayerCache,
         SparseDecodeWorkspace,
         select_slots_batched,
         sparse_decode_batched,
@@ -290,13 +292,11 @@ def ours_decode(torch, q, k_buffer, shape: MLAShape, req_to_token, seq_lens, kmi
     max_blocks = -(-req_to_token.shape[1] // params.block_size)
     ws = SparseDecodeWorkspace(batch, num_q_heads, 1, rank, params, max_blocks, q.device,
                                q.dtype)
+    cache = LayerCache(k_buffer, v_buffer, kmin, kmax, channels=channels)
+    rows = DecodeRows(req_to_token, req_pool_indices, seq_lens)
     if select_only:
-        return lambda: select_slots_batched(q, k_buffer, req_to_token, req_pool_indices,
-                                            seq_lens, kmin, kmax, params, channels=channels,
-                                            workspace=ws)
-    return lambda: sparse_decode_batched(q, k_buffer, v_buffer, req_to_token, req_pool_indices,
-                                         seq_lens, kmin, kmax, params, shape.scaling,
-                                         channels=channels, workspace=ws)
+        return lambda: select_slots_batched(q, cache, rows, params, ws)
+    return lambda: sparse_decode_batched(q, cache, rows, params, shape.scaling, ws)
 
 
 # ----------------------------------------------------------------------------- check

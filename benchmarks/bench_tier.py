@@ -58,7 +58,13 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from benchmarks.results_io import git_commit, gpu_name, write_results
     from sglang_ext.kernels.block_summary import allocate_block_summaries, update_block_summaries
-    from sglang_ext.kernels.sparse_decode import SparseDecodeWorkspace, sparse_decode_batched
+    from sglang_ext.kernels.sparse_decode import (
+        DecodeRows,
+        LayerCache,
+        SelectionInputs,
+        SparseDecodeWorkspace,
+        sparse_decode_batched,
+    )
     from sglang_ext.memory_tier.host_store import HostKVStore
     from sglang_ext.memory_tier.working_set import WorkingSetTier
     from sglang_ext.selection.params import SelectionParams
@@ -130,21 +136,25 @@ def main(argv=None) -> int:
     workspaces = [SparseDecodeWorkspace(B, HQ, HKV, D, params, nblocks, dev, torch.bfloat16)
                   for _ in range(NL)]
 
+    decode_rows = DecodeRows(req_to_token, rpi, seq_lens)
+
     def step(config, tier=None, dk=None, dv=None):
         outs = []
         for layer in range(NL):
             if tier is None:
                 out = sparse_decode_batched(
-                    q_static[layer], k_full[layer], v_full[layer], req_to_token, rpi, seq_lens,
-                    kmin[layer], kmax[layer], params, D ** -0.5, channels=channels,
-                    workspace=workspaces[layer])
+                    q_static[layer],
+                    LayerCache(k_full[layer], v_full[layer], kmin[layer], kmax[layer],
+                               channels=channels),
+                    decode_rows, params, D ** -0.5, workspaces[layer])
             else:
                 on_blocks, attend = tier.decode_hooks(layer, rpi, req_to_token, dk[layer], dv[layer])
                 out = sparse_decode_batched(
-                    q_static[layer], dk[layer], dv[layer], req_to_token, rpi, seq_lens,
-                    kmin[layer], kmax[layer], params, D ** -0.5, channels=channels,
-                    workspace=workspaces[layer], page_map=tier.page_map(layer),
-                    on_blocks=on_blocks, attend_blocks=attend)
+                    q_static[layer],
+                    LayerCache(dk[layer], dv[layer], kmin[layer], kmax[layer], channels=channels),
+                    decode_rows, params, D ** -0.5, workspaces[layer],
+                    SelectionInputs(page_map=tier.page_map(layer), on_blocks=on_blocks,
+                                    attend_blocks=attend))
                 tier.after_layer(layer, rpi, req_to_token, dk[layer], dv[layer])
             outs.append(out)
         if tier is not None:

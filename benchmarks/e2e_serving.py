@@ -134,7 +134,12 @@ CONFIGS["sglang_ext_tier_locality_fi"] = CONFIGS["sglang_ext_tier_locality"] + [
 
 def launch(model: str, tokenizer: str, args: list[str], port: int, context_len: int,
            log_path: str, extra: list[str],
-           env_extra: Optional[dict[str, str]] = None) -> subprocess.Popen:
+           env_extra: Optional[dict[str, str]] = None,
+           cwd: Optional[str] = None) -> subprocess.Popen:
+    """Start a server (its own process group) logging to ``log_path``. ``cwd``: the server's
+    working directory (default this process's); ``python -m`` puts it first on ``sys.path``,
+    so a folder holding a source tree's ``sglang_ext/`` there would be imported instead of the
+    one ``PYTHONPATH`` names (benchmarks/refactor_compare.py starts servers elsewhere)."""
     cmd = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", model,
         "--tokenizer-path", tokenizer, "--load-format", "dummy", "--sampling-backend", "pytorch",
@@ -147,7 +152,8 @@ def launch(model: str, tokenizer: str, args: list[str], port: int, context_len: 
     # random-ids prompts re-tokenize a little longer than asked: the context is set with
     # headroom, which SGLang allows past the model config only with this variable.
     env = dict(os.environ, SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN="1", **(env_extra or {}))
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=env, cwd=cwd)
 
 
 # SGLang's decode-only benchmark mode (--decode-only): a decode server whose requests arrive

@@ -35,6 +35,7 @@ SUITES: dict[str, tuple[str, ...]] = {
     "guard": ("guard_*",),
     "fluxion": ("fluxion_*",),
     "gputests": ("gputests*",),
+    "refactor": ("refactor_*",),  # before/after comparisons of one change (refactor_compare.py)
 }
 
 

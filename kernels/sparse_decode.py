@@ -40,7 +40,8 @@ position 0 and touch nothing else.
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass, replace
+from typing import Callable, NamedTuple
 
 import torch
 import triton
@@ -343,21 +344,109 @@ def _topk_assemble_kernel(
             )
 
 
-def _selection_plan(params: SelectionParams, max_blocks: int) -> tuple[int, int, int]:
-    """(mode, k of the block top-k (0 = none), k of the token top-k (0 = none))."""
+class SelectionSizes(NamedTuple):
+    """The static shape of a selection: how the slot list is read back (``mode``), the k of the
+    block top-k and the k of the token top-k (0: that stage does not run)."""
+
+    mode: int
+    k_blocks: int
+    k_tokens: int
+
+
+def selection_sizes(params: SelectionParams) -> SelectionSizes:
+    """The top-k sizes a setting runs with (e.g. to size what depends on the block filter's k,
+    such as the CPU tier's working sets)."""
     n_sel = params.budget - params.sink - params.window
     bs = params.block_size
     if n_sel <= 0:
-        return _MODE_NONE, 0, 0
+        return SelectionSizes(_MODE_NONE, 0, 0)
     if params.method == "quest":
         num_kept = n_sel // bs
-        return (_MODE_BLOCKS, num_kept, 0) if num_kept > 0 else (_MODE_NONE, 0, 0)
+        return SelectionSizes(_MODE_BLOCKS, num_kept, 0) if num_kept > 0 else \
+            SelectionSizes(_MODE_NONE, 0, 0)
     if params.method == "two_level":
         # The locality constraint's E_t rides along in the block top-k, ranked first.
-        return _MODE_CAND_TOKENS, params.candidate_blocks + params.locality_blocks, n_sel
+        return SelectionSizes(_MODE_CAND_TOKENS,
+                              params.candidate_blocks + params.locality_blocks, n_sel)
     if params.method == "ds":
-        return _MODE_ALL_TOKENS, 0, n_sel
+        return SelectionSizes(_MODE_ALL_TOKENS, 0, n_sel)
     raise ValueError(f"unknown method {params.method!r}")
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """Which requests a batched call decodes, in SGLang's layout: ``req_to_token`` int32
+    ``[rows, max_context]`` (each request row's KV slots by position), ``req_pool_indices``
+    ``[B]`` (the batch's rows) and ``seq_lens`` ``[B]`` (current token included, its KV
+    already written)."""
+
+    req_to_token: Tensor
+    req_pool_indices: Tensor
+    seq_lens: Tensor
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """One layer's KV and the side buffers the selection reads.
+
+    ``k_buffer``/``v_buffer`` ``[num_slots, Hkv, D/Dv]``; ``kmin``/``kmax`` the page summaries
+    (:mod:`block_summary`; unused by ds); ``channels`` long ``[Hkv, r]`` label channels or None
+    (all channels); ``labels`` the label cache (:mod:`label_cache`: the ``channels`` of every
+    key stored contiguously, so token scoring reads r/D of the key bytes); ``k_scale`` /
+    ``v_scale`` an 8-bit KV cache's scales (the selection ranks stored keys, which a positive
+    scale does not reorder)."""
+
+    k_buffer: Tensor
+    v_buffer: Tensor | None = None
+    kmin: Tensor | None = None
+    kmax: Tensor | None = None
+    channels: Tensor | None = None
+    labels: Tensor | None = None
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+@dataclass
+class SelectionInputs:
+    """What optional features add to one layer's selection (all None: the plain pipeline).
+
+    * the CPU tier (quest and two_level): ``page_map`` (int32 ``[rows, Hkv, max_blocks]``)
+      addresses keys by per-head device page instead of ``req_to_token`` (blocks not resident
+      are skipped); ``on_blocks(blocks)`` is called with the block filter's result
+      ``[B, Hkv, k]`` before the token stage (to fetch or prefetch those blocks);
+      ``attend_blocks`` replaces that result for the rest of the step (the blocks chosen at the
+      previous step, already resident: the asynchronous mode). Labels are not read with a page
+      map (the tier addresses resident keys by device page).
+    * the accuracy guard: ``row_ks`` = (per-request k of the block top-k, of the token top-k),
+      int32 ``[B]`` each or None, every value at most the workspace's k: a request's smaller
+      budget inside a workspace sized for the largest (:mod:`selection.guard`).
+    * NOSA's locality constraint: ``locality`` (needed iff ``params.locality_blocks > 0``), the
+      layer's state (:mod:`locality`), updated in place; each request's γ(t) of this step is
+      left in ``workspace.gamma[:B]`` (``-1``: not measured).
+    * cooperative attention: ``on_token_scores(scores, cand)`` (two_level, eager only) may change
+      the token scores ``[B, Hkv, C*bs]`` of the candidates ``cand`` ``[B, Hkv, C]`` in place
+      before the token top-k (it scores there the blocks the CPU attends from host memory).
+    * the asynchronous block filter: ``candidates`` (int32 ``[B, Hkv, k]``, k = the block
+      top-k's: :func:`select_blocks_batched`'s result, possibly of an earlier query) replaces
+      the block filter; block ids outside this step's middle (or ``-1``) select nothing. Not
+      with the tier, the locality constraint or ``row_ks``.
+    """
+
+    page_map: Tensor | None = None
+    on_blocks: Callable[[Tensor], None] | None = None
+    attend_blocks: Tensor | None = None
+    row_ks: tuple[Tensor | None, Tensor | None] | None = None
+    locality: LocalityLayerState | None = None
+    on_token_scores: Callable[[Tensor, Tensor], None] | None = None
+    candidates: Tensor | None = None
+
+    @property
+    def tiered(self) -> bool:
+        return (self.page_map is not None or self.on_blocks is not None
+                or self.attend_blocks is not None)
+
+    def is_plain(self) -> bool:
+        return all(getattr(self, name) is None for name in self.__dataclass_fields__)
 
 
 class SparseDecodeWorkspace:
@@ -426,8 +515,7 @@ class SparseDecodeWorkspace:
         # --sparse-rerank: the selection lists a widened budget's shortlist, which the exact
         # rerank (kernels/rerank.py) cuts to params.budget.
         self.selection_params = shortlist_selection(params) if params.rerank else params
-        self.mode, self.k_blocks, self.k_tokens = _selection_plan(self.selection_params,
-                                                                  max_blocks)
+        self.mode, self.k_blocks, self.k_tokens = selection_sizes(self.selection_params)
         self.scatter_selected = (scatter_selected and self.fuse_assemble
                                  and self.mode == _MODE_CAND_TOKENS)
 
@@ -516,9 +604,8 @@ def _token_keys(k_buffer: Tensor, labels: Tensor | None, channels: Tensor | None
     return k_buffer, False
 
 
-def _block_scores(q: Tensor, kmin: Tensor | None, kmax: Tensor | None, req_to_token: Tensor,
-                  req_pool_indices: Tensor, seq_lens: Tensor, ws: SparseDecodeWorkspace,
-                  tok_keys: Tensor, from_labels: bool, channels: Tensor | None) -> Tensor:
+def _block_scores(q: Tensor, cache: LayerCache, rows: DecodeRows, ws: SparseDecodeWorkspace,
+                  tok_keys: Tensor | None, from_labels: bool) -> Tensor:
     """The batch's block scores (``params.block_score``), into the workspace's buffer: Quest's
     bound from the page summaries, or each block's largest label score over its middle tokens
     (:func:`~sglang_ext.kernels.token_scores.label_max_block_scores_batched`)."""
@@ -526,115 +613,94 @@ def _block_scores(q: Tensor, kmin: Tensor | None, kmax: Tensor | None, req_to_to
     batch = q.shape[0]
     if p.block_score == "label_max":
         return label_max_block_scores_batched(
-            q, tok_keys, req_to_token, req_pool_indices, seq_lens, p.block_size, p.sink,
-            p.window, ws.max_blocks, channels=channels, out=ws.block_scores[:batch],
-            keys_are_labels=from_labels)
-    if kmin is None or kmax is None:
+            q, tok_keys, rows.req_to_token, rows.req_pool_indices, rows.seq_lens, p.block_size,
+            p.sink, p.window, ws.max_blocks, channels=cache.channels,
+            out=ws.block_scores[:batch], keys_are_labels=from_labels)
+    if cache.kmin is None or cache.kmax is None:
         raise ValueError(f"{p.method} with block_score 'bound' needs the block summaries "
                          f"kmin/kmax")
     return quest_block_scores_batched(
-        q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, p.block_size, p.sink,
-        p.window, ws.max_blocks, out=ws.block_scores[:batch],
+        q, cache.kmin, cache.kmax, rows.req_to_token, rows.req_pool_indices, rows.seq_lens,
+        p.block_size, p.sink, p.window, ws.max_blocks, out=ws.block_scores[:batch],
         precision=ws.block_score_precision,
     )
 
 
+def _with_contiguous_channels(cache: LayerCache, device: torch.device) -> LayerCache:
+    channels = cache.channels
+    if channels is None:
+        return cache
+    channels = channels.to(device=device)
+    if channels.stride(-1) != 1:
+        channels = channels.contiguous()
+    return cache if channels is cache.channels else replace(cache, channels=channels)
+
+
+def _check_inputs(params: SelectionParams, reranked: SelectionParams, ws: SparseDecodeWorkspace,
+                  inputs: SelectionInputs, batch: int, num_kv_heads: int) -> None:
+    """One line for each combination the pipeline does not run."""
+    if reranked.rerank and not inputs.is_plain():
+        raise ValueError("the exact rerank does not combine with the tier, the locality "
+                         "constraint, per-request top-k sizes or given candidates")
+    if (inputs.locality is not None) != bool(params.locality_blocks):
+        raise ValueError("the locality state goes with params.locality_blocks > 0 (and only)")
+    if inputs.locality is not None and inputs.row_ks is not None:
+        raise ValueError("per-request top-k sizes do not combine with the locality constraint")
+    if inputs.candidates is not None:
+        if inputs.tiered or inputs.locality is not None or inputs.row_ks is not None:
+            raise ValueError("given candidates do not combine with the tier, the locality "
+                             "constraint or per-request top-k sizes")
+        if inputs.candidates.shape != (batch, num_kv_heads, ws.k_blocks) or not ws.k_blocks:
+            raise ValueError(f"candidates {tuple(inputs.candidates.shape)} must be [B, Hkv, "
+                             f"{ws.k_blocks}] of a block-filter method (quest, two_level)")
+    if inputs.tiered and ws.mode not in (_MODE_BLOCKS, _MODE_CAND_TOKENS):
+        raise ValueError(f"the CPU tier needs a block filter (quest or two_level), not "
+                         f"{params.method}")
+    if params.block_score == "label_max" and inputs.page_map is not None:
+        raise ValueError("the label-max block filter scores resident keys only: not with the "
+                         "CPU tier's page map")
+
+
+_PLAIN = SelectionInputs()
+
+
 def select_slots_batched(
     q: Tensor,
-    k_buffer: Tensor,
-    req_to_token: Tensor,
-    req_pool_indices: Tensor,
-    seq_lens: Tensor,
-    kmin: Tensor | None,
-    kmax: Tensor | None,
+    cache: LayerCache,
+    rows: DecodeRows,
     params: SelectionParams,
-    channels: Tensor | None = None,
     workspace: SparseDecodeWorkspace | None = None,
+    inputs: SelectionInputs = _PLAIN,
     return_positions: bool = False,
-    page_map: Tensor | None = None,
-    on_blocks: Callable[[Tensor], None] | None = None,
-    attend_blocks: Tensor | None = None,
-    labels: Tensor | None = None,
-    row_ks: tuple[Tensor | None, Tensor | None] | None = None,
-    locality: LocalityLayerState | None = None,
-    on_token_scores: Callable[[Tensor, Tensor], None] | None = None,
-    candidates: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Step 1-2 of the pipeline: the ``budget`` KV slots (int32 ``[B, Hkv, budget]``, ``-1``
     padded) each (request, kv head) attends; with ``return_positions`` also their positions.
-
-    The CPU tier (:mod:`sglang_ext.memory_tier`) hooks in with three optional arguments
-    (quest and two_level only): ``page_map`` (int32 ``[rows, Hkv, max_blocks]``) addresses
-    keys by per-head device page instead of ``req_to_token`` (blocks not resident are
-    skipped); ``on_blocks(blocks)`` is called with the block filter's result ``[B, Hkv, k]``
-    before the token stage (to fetch or prefetch those blocks); ``attend_blocks`` replaces
-    that result for the rest of the step (the blocks chosen at the previous step, already
-    resident: the asynchronous mode).
-
-    ``labels`` (``[num_slots, Hkv, r]``, :mod:`label_cache`: the ``channels`` of every key,
-    stored contiguously) makes the token scoring read them instead of the pool's keys: the
-    same scores from an eighth of the bytes at 16 of 128 channels. Not with ``page_map`` (the
-    tier addresses resident keys by device page).
-
-    ``row_ks`` = (per-request k of the block top-k, of the token top-k), int32 ``[B]`` each or
-    None, every value at most the workspace's (``params``') k: a request's smaller budget
-    inside a workspace sized for the largest (the accuracy guard, :mod:`selection.guard`).
-
-    ``locality`` (needed iff ``params.locality_blocks > 0``): the layer's state of NOSA's
-    locality constraint (:mod:`locality`), updated in place; each request's γ(t) of this step
-    is left in ``workspace.gamma[:B]`` (``-1``: not measured).
-
-    ``on_token_scores(scores, cand)`` (two_level, eager only) may change the token scores
-    ``[B, Hkv, C*bs]`` of the candidates ``cand`` ``[B, Hkv, C]`` in place before the token
-    top-k: cooperative attention scores there the candidate blocks the CPU attends from host
-    memory (not resident, so ``page_map`` scored them ``-inf``).
-
-    ``candidates`` (int32 ``[B, Hkv, k]``, k = the block top-k's: :func:`select_blocks_batched`'s
-    result, possibly of an earlier query) replaces the block filter: its scores and top-k are not
-    run. The asynchronous block filter (:mod:`sglang_ext.attention.async_block_filter`) passes
-    the blocks chosen at the previous step. Block ids outside this step's middle (or ``-1``)
-    select nothing. Not with the tier, the locality constraint or ``row_ks``."""
+    ``cache``: the layer's keys and side buffers (:class:`LayerCache`; values unused);
+    ``inputs``: what optional features add (:class:`SelectionInputs`)."""
     batch, num_q_heads, _ = q.shape
+    k_buffer = cache.k_buffer
     num_kv_heads = k_buffer.shape[1]
     if workspace is None:
         workspace = SparseDecodeWorkspace(
             batch, num_q_heads, num_kv_heads, k_buffer.shape[2], params,
-            triton.cdiv(req_to_token.shape[1], params.block_size), q.device, q.dtype,
+            triton.cdiv(rows.req_to_token.shape[1], params.block_size), q.device, q.dtype,
         )
     ws = workspace
     if batch > ws.max_batch or params != ws.params:
         raise ValueError("batch/params do not fit the workspace")
-    if params.rerank and (locality is not None or row_ks is not None or candidates is not None
-                          or page_map is not None or on_blocks is not None
-                          or attend_blocks is not None or on_token_scores is not None):
-        raise ValueError("the exact rerank does not combine with the tier, the locality "
-                         "constraint, per-request top-k sizes or given candidates")
     reranked = params
     params = ws.selection_params  # what the stages below list: the shortlist with a rerank
-    if (locality is not None) != bool(params.locality_blocks):
-        raise ValueError("the locality state goes with params.locality_blocks > 0 (and only)")
-    if locality is not None and row_ks is not None:
-        raise ValueError("per-request top-k sizes do not combine with the locality constraint")
+    _check_inputs(params, reranked, ws, inputs, batch, num_kv_heads)
+    cache = _with_contiguous_channels(cache, q.device)
+    channels, locality, page_map = cache.channels, inputs.locality, inputs.page_map
+    req_to_token, req_pool_indices, seq_lens = rows.req_to_token, rows.req_pool_indices, \
+        rows.seq_lens
     bs = params.block_size
-    if channels is not None:
-        channels = channels.to(device=q.device)
-        if channels.stride(-1) != 1:
-            channels = channels.contiguous()
-
-    tiered = page_map is not None or on_blocks is not None or attend_blocks is not None
-    if candidates is not None:
-        if tiered or locality is not None or row_ks is not None:
-            raise ValueError("given candidates do not combine with the tier, the locality "
-                             "constraint or per-request top-k sizes")
-        if candidates.shape != (batch, num_kv_heads, ws.k_blocks) or not ws.k_blocks:
-            raise ValueError(f"candidates {tuple(candidates.shape)} must be [B, Hkv, "
-                             f"{ws.k_blocks}] of a block-filter method (quest, two_level)")
-    if tiered and ws.mode not in (_MODE_BLOCKS, _MODE_CAND_TOKENS):
-        raise ValueError(f"the CPU tier needs a block filter (quest or two_level), not {params.method}")
+    tiered = inputs.tiered
     top, cand = ws.slots, ws.slots  # dummies for unused pointers
     final = None  # (scores, k, out) of the last top-k when it is fused with the assembly
 
-    k_block_rows, k_token_rows = row_ks if row_ks is not None else (None, None)
+    k_block_rows, k_token_rows = inputs.row_ks if inputs.row_ks is not None else (None, None)
     # two_level with per-request candidate counts: a row's token scores past its candidates'
     # tokens are all -inf, which the token top-k may skip.
     n_token_rows = None
@@ -656,15 +722,11 @@ def select_slots_batched(
 
     tok_keys, from_labels = k_buffer, False
     if ws.k_tokens or params.block_score == "label_max":
-        tok_keys, from_labels = _token_keys(k_buffer, labels, channels, page_map, params)
-    if params.block_score == "label_max" and page_map is not None:
-        raise ValueError("the label-max block filter scores resident keys only: not with the "
-                         "CPU tier's page map")
-    if candidates is not None:
-        top = cand = candidates
+        tok_keys, from_labels = _token_keys(k_buffer, cache.labels, channels, page_map, params)
+    if inputs.candidates is not None:
+        top = cand = inputs.candidates
     elif ws.k_blocks:
-        scores = _block_scores(q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, ws,
-                               tok_keys, from_labels, channels)
+        scores = _block_scores(q, cache, rows, ws, tok_keys, from_labels)
         if locality is not None:
             locality_update_batched(locality, scores, req_to_token, req_pool_indices, seq_lens,
                                     params)
@@ -676,10 +738,10 @@ def select_slots_batched(
                               ws.block_topk_radix_bits, k_block_rows)
         if locality is not None and params.locality_new_blocks:
             record_filter_batched(locality, top, req_pool_indices, seq_lens, params)
-        if on_blocks is not None:
-            on_blocks(top)
-        if attend_blocks is not None:
-            top = cand = attend_blocks[:batch]
+        if inputs.on_blocks is not None:
+            inputs.on_blocks(top)
+        if inputs.attend_blocks is not None:
+            top = cand = inputs.attend_blocks[:batch]
     if ws.k_tokens:
         tok_scores, _ = label_token_scores_batched(
             q, tok_keys, req_to_token, req_pool_indices, seq_lens,
@@ -691,8 +753,8 @@ def select_slots_batched(
             cand_slots_out=ws.cand_slots[:batch] if scatter else None,
             cand_positions_out=ws.cand_positions[:batch] if scatter and write_pos else None,
         )
-        if on_token_scores is not None:
-            on_token_scores(tok_scores, cand)
+        if inputs.on_token_scores is not None:
+            inputs.on_token_scores(tok_scores, cand)
         top = run_topk(tok_scores, ws.k_tokens, ws.top_tokens[:batch], True,
                        ws.token_topk_radix_bits, k_token_rows,
                        n_token_rows)
@@ -746,107 +808,73 @@ def select_slots_batched(
 
 def select_blocks_batched(
     q: Tensor,
-    kmin: Tensor | None,
-    kmax: Tensor | None,
-    req_to_token: Tensor,
-    req_pool_indices: Tensor,
-    seq_lens: Tensor,
+    cache: LayerCache,
+    rows: DecodeRows,
     params: SelectionParams,
     workspace: SparseDecodeWorkspace,
     out_table: Tensor | None = None,
-    k_buffer: Tensor | None = None,
-    channels: Tensor | None = None,
-    labels: Tensor | None = None,
 ) -> Tensor:
-    """The block filter alone (quest / two_level): the top ``workspace.k_blocks`` blocks by
-    Quest bound of every (request, kv head), int32 ``[B, Hkv, k]`` (a view of the workspace's
-    ``top_blocks``; ``-1`` past a short middle). What :func:`select_slots_batched` takes as
-    ``candidates``: the asynchronous block filter runs it on a side stream for the next step.
-    ``out_table`` (int32 ``[rows, Hkv, k]``, per request row): the top-k writes each
-    request's blocks straight into its row ``req_pool_indices[b]`` instead, and the table is
-    returned. ``k_buffer`` / ``channels`` / ``labels`` (``params.block_score`` "label_max"):
-    what the token scores read, as in :func:`select_slots_batched`."""
+    """The block filter alone (quest / two_level): the top ``workspace.k_blocks`` blocks of
+    every (request, kv head), int32 ``[B, Hkv, k]`` (a view of the workspace's ``top_blocks``;
+    ``-1`` past a short middle). What :func:`select_slots_batched` takes as
+    ``SelectionInputs.candidates``: the asynchronous block filter runs it on a side stream for
+    the next step. ``out_table`` (int32 ``[rows, Hkv, k]``, per request row): the top-k writes
+    each request's blocks straight into its row ``req_pool_indices[b]`` instead, and the table
+    is returned. The label-max filter reads ``cache``'s keys (or labels) and channels."""
     ws = workspace
     batch = q.shape[0]
     if not ws.k_blocks or params != ws.params or batch > ws.max_batch:
         raise ValueError("select_blocks_batched needs a block-filter method (quest, two_level) "
                          "and a workspace that fits the batch and params")
-    if params.block_score == "label_max" and k_buffer is None:
-        raise ValueError("the label-max block filter needs the keys (k_buffer) or labels")
-    tok_keys, from_labels = (None, False) if k_buffer is None else _token_keys(
-        k_buffer, labels, channels, None, params)
-    scores = _block_scores(q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, ws,
-                           tok_keys, from_labels, channels)
+    tok_keys, from_labels = None, False
+    if params.block_score == "label_max":
+        tok_keys, from_labels = _token_keys(cache.k_buffer, cache.labels, cache.channels, None,
+                                            params)
+    scores = _block_scores(q, cache, rows, ws, tok_keys, from_labels)
     if out_table is not None:
         return topk_masked(scores, ws.k_blocks, out=out_table, impl=ws.topk_impl,
-                           radix_bits=ws.block_topk_radix_bits, out_rows=req_pool_indices)
+                           radix_bits=ws.block_topk_radix_bits, out_rows=rows.req_pool_indices)
     return topk_masked(scores, ws.k_blocks, out=ws.top_blocks[:batch], impl=ws.topk_impl,
                        radix_bits=ws.block_topk_radix_bits)
 
 
 def sparse_decode_batched(
     q: Tensor,
-    k_buffer: Tensor,
-    v_buffer: Tensor,
-    req_to_token: Tensor,
-    req_pool_indices: Tensor,
-    seq_lens: Tensor,
-    kmin: Tensor | None,
-    kmax: Tensor | None,
+    cache: LayerCache,
+    rows: DecodeRows,
     params: SelectionParams,
     sm_scale: float,
-    channels: Tensor | None = None,
     workspace: SparseDecodeWorkspace | None = None,
+    inputs: SelectionInputs = _PLAIN,
     return_lse: bool = False,
-    page_map: Tensor | None = None,
-    on_blocks: Callable[[Tensor], None] | None = None,
-    attend_blocks: Tensor | None = None,
-    labels: Tensor | None = None,
-    row_ks: tuple[Tensor | None, Tensor | None] | None = None,
-    locality: LocalityLayerState | None = None,
-    candidates: Tensor | None = None,
     out: Tensor | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """One sparse decode step for a batch: ``out [B, Hq, Dv]`` in q's dtype (and the float32
     LSE ``[B, Hq]`` with ``return_lse``).
 
-    ``q`` ``[B, Hq, D]``; ``k_buffer``/``v_buffer`` ``[num_slots, Hkv, D/Dv]`` (one layer);
-    ``req_to_token`` int32 ``[rows, max_context]``; ``req_pool_indices`` ``[B]``; ``seq_lens``
-    ``[B]`` (current token included, its k/v already written); ``kmin``/``kmax`` the layer's
-    page summaries (:mod:`block_summary`; unused by ds); ``channels`` long ``[Hkv, r]`` label
-    channels or None (all channels). Pages must have ``page_size == params.block_size``.
-    With a ``workspace`` the result is a view of its buffers (valid until the next call).
-    ``page_map``/``on_blocks``/``attend_blocks``: the CPU tier's hooks, see
-    :func:`select_slots_batched` (the attention then reads the per-head device slots).
-    ``labels``: the layer's label cache (:mod:`label_cache`), ``row_ks``: per-request top-k
-    sizes, ``locality``: the locality constraint's state, ``candidates``: the block filter's
-    result given; see :func:`select_slots_batched`. ``out`` (``[B, Hq, Dv]``, q's dtype): the
+    ``q`` ``[B, Hq, D]``; ``cache`` the layer's KV and side buffers (:class:`LayerCache`);
+    ``rows`` the batch (:class:`DecodeRows`); ``inputs`` what optional features add
+    (:class:`SelectionInputs`; with the tier's, the attention reads the per-head device slots).
+    Pages must have ``page_size == params.block_size``. With a ``workspace`` the result is a
+    view of its buffers (valid until the next call). ``out`` (``[B, Hq, Dv]``, q's dtype): the
     output's destination instead of the workspace's buffer (which the next call overwrites), so
-    a caller that keeps every layer's output needs no copy. ``k_scale``/``v_scale``: an 8-bit
-    KV cache's scales (:func:`sparse_attention_batched`; the selection ranks stored keys, which a
-    positive scale does not reorder).
+    a caller that keeps every layer's output needs no copy.
     """
     batch, num_q_heads, _ = q.shape
+    k_buffer, v_buffer = cache.k_buffer, cache.v_buffer
     if workspace is None:
         workspace = SparseDecodeWorkspace(
             batch, num_q_heads, k_buffer.shape[1], v_buffer.shape[2], params,
-            triton.cdiv(req_to_token.shape[1], params.block_size), q.device, q.dtype,
+            triton.cdiv(rows.req_to_token.shape[1], params.block_size), q.device, q.dtype,
         )
     workspace.check(batch, num_q_heads, k_buffer.shape[1], v_buffer.shape[2], params, q.dtype)
-    slots = select_slots_batched(
-        q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, kmax, params,
-        channels=channels, workspace=workspace, page_map=page_map, on_blocks=on_blocks,
-        attend_blocks=attend_blocks, labels=labels, row_ks=row_ks, locality=locality,
-        candidates=candidates,
-    )
+    slots = select_slots_batched(q, cache, rows, params, workspace, inputs)
     out, lse = sparse_attention_batched(
         q, k_buffer, v_buffer, slots, sm_scale,
         num_splits=workspace._splits_for(batch),
         out=workspace.out[:batch] if out is None else out, lse=workspace.lse[:batch],
         partial_o=workspace.partial_o[:batch], partial_lse=workspace.partial_lse[:batch],
-        k_scale=k_scale, v_scale=v_scale,
+        k_scale=cache.k_scale, v_scale=cache.v_scale,
     )
     return (out, lse) if return_lse else out
 

@@ -29,9 +29,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
+from sglang_ext import runtime
+
 logger = logging.getLogger(__name__)
 
-_layout = None  # this process's TierLayout, between the two hooks
 
 
 def _tier_config(configurator: Any) -> Optional[Any]:
@@ -115,11 +116,10 @@ def _around_derive_pool_sizes(original: Callable, self: Any, *, config: Any) -> 
     import msgspec
 
     from sglang_ext.attention.request_overrides import selection_params
-    from sglang_ext.kernels.sparse_decode import _selection_plan
+    from sglang_ext.kernels.sparse_decode import selection_sizes
     from sglang_ext.memory_tier.tiered_pool import plan_layout
     from sglang_ext.selection.mla import is_mla_model, kv_layout
 
-    global _layout
     mc = self.model_config
     from sglang.srt.mem_cache.kv_cache_configurator import get_parallel
 
@@ -132,12 +132,12 @@ def _around_derive_pool_sizes(original: Callable, self: Any, *, config: Any) -> 
     bytes_per_token = layers * heads * row_dims * elem
     host_tokens = host_tokens_per_rank(cfg, bytes_per_token)
     params = selection_params(cfg)
-    _, k_blocks, _ = _selection_plan(params, 1 << 30)
+    k_blocks = selection_sizes(params).k_blocks
     server_args = self.server_args
     batch_tokens = max(server_args.max_prefill_tokens or 0, server_args.chunked_prefill_size or 0)
     max_prefill = mc.context_len + batch_tokens
     try:
-        _layout = plan_layout(
+        layout_planned = plan_layout(
             device_tokens=sizes.max_total_num_tokens, host_tokens=host_tokens,
             page_size=cfg.block_size, max_running_requests=sizes.max_running_requests,
             max_prefill_tokens=max_prefill, num_slots=max(k_blocks, 1), sink=cfg.sink,
@@ -149,20 +149,20 @@ def _around_derive_pool_sizes(original: Callable, self: Any, *, config: Any) -> 
         )
     except ValueError as e:
         raise SystemExit(f"sglang_ext: {e}") from None
+    runtime.state().tier_layout = layout_planned  # what the pool builders below read
     logger.info("sglang_ext CPU tier: %s (SGLang profiled %d device slots)",
-                _layout.describe(), sizes.max_total_num_tokens)
-    return msgspec.structs.replace(sizes, max_total_num_tokens=_layout.logical_tokens)
+                layout_planned.describe(), sizes.max_total_num_tokens)
+    return msgspec.structs.replace(sizes, max_total_num_tokens=layout_planned.logical_tokens)
 
 
 def _around_build_mha_kv_pool(original: Callable, self: Any, *, max_total_num_tokens: int,
                               mha_pool_class: type, quant_method: Any = None) -> Any:
     cfg = _tier_config(self)
-    if cfg is None or _layout is None:
+    layout = runtime.state().tier_layout
+    if cfg is None or layout is None:
         return original(self, max_total_num_tokens=max_total_num_tokens,
                         mha_pool_class=mha_pool_class, quant_method=quant_method)
     from sglang_ext.memory_tier.tiered_pool import TieredKVPool
-
-    layout = _layout
 
     def build(_logical_size: int, **kwargs: Any) -> TieredKVPool:
         return TieredKVPool(layout=layout, mode=cfg.tier, timing=cfg.tier_timing == "on", **kwargs)
@@ -174,7 +174,8 @@ def _around_build_mha_kv_pool(original: Callable, self: Any, *, max_total_num_to
 def _around_build_mla_kv_pool(original: Callable, self: Any, *,
                               max_total_num_tokens: int) -> Any:
     cfg = _tier_config(self)
-    if cfg is None or _layout is None:
+    layout = runtime.state().tier_layout
+    if cfg is None or layout is None:
         return original(self, max_total_num_tokens=max_total_num_tokens)
     from sglang_ext.memory_tier.tiered_pool import TieredMLAKVPool
 
@@ -186,7 +187,7 @@ def _around_build_mla_kv_pool(original: Callable, self: Any, *,
         layer_num=self.layer_info.num_effective_layers, device=self.device,
         enable_memory_saver=self.server_args.enable_memory_saver,
         start_layer=self.layer_info.start_layer, end_layer=self.layer_info.end_layer,
-        layout=_layout, mode=cfg.tier, timing=cfg.tier_timing == "on",
+        layout=layout, mode=cfg.tier, timing=cfg.tier_timing == "on",
     )
 
 

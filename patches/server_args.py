@@ -7,6 +7,7 @@ import logging
 from typing import Any, Callable
 
 from sglang_ext import config as sparse_config
+from sglang_ext import runtime
 from sglang_ext.config import BACKEND_NAME
 from sglang_ext.selection.mla import is_mla_model, kv_layout, mla_config, mla_unsupported
 
@@ -14,12 +15,9 @@ logger = logging.getLogger(__name__)
 
 _CONFIG_ATTR = "_sglang_ext_config"
 TIER_DEFAULT_MAX_RUNNING = 32  # --max-running-requests with the CPU tier unless given
-_active: sparse_config.SparseConfig | None = None  # this process's config
-_active_impl: str | None = None  # the decode implementation this server runs, once known
 # --kv-cache-dtype values whose rows the CPU tier moves (16-bit rows of the KV dtype; 8-bit ones
 # are stored as bytes)
 TIER_KV_DTYPES = ("auto", "bf16", "bfloat16")
-_active_mla = False  # whether this server's model has an MLA (latent) KV pool
 
 
 def _after_add_cli_args(result: Any, parser: argparse.ArgumentParser) -> None:
@@ -45,28 +43,27 @@ def _around_from_cli_args(original: Callable, cls: type, args: argparse.Namespac
         _force_compatible_settings(server_args, cfg)
         from sglang_ext.attention.sparse_backend import resolve_impl
 
-        global _active_impl, _active_mla
-        _active_impl = resolve_impl(cfg, server_args.device)
-        _active_mla = is_mla_model(server_args.get_model_config())
+        process = runtime.state()
+        process.impl = resolve_impl(cfg, server_args.device)
+        process.mla = is_mla_model(server_args.get_model_config())
     return server_args
 
 
 def active_impl() -> str | None:
     """The decode implementation of the server this (main) process launched, if ours."""
-    return _active_impl
+    return runtime.state().impl
 
 
 def active_is_mla() -> bool:
     """Whether the server this (main) process launched serves an MLA model with our backend."""
-    return _active_mla
+    return runtime.state().mla
 
 
 def attach_config(server_args: Any, cfg: sparse_config.SparseConfig) -> None:
     # ServerArgs rejects bare attribute assignment after resolution; underscore names are
     # exempt and survive pickling into the scheduler processes.
-    global _active
     object.__setattr__(server_args, _CONFIG_ATTR, cfg)
-    _active = cfg
+    runtime.state().config = cfg
 
 
 def config_of(server_args: Any) -> sparse_config.SparseConfig:
@@ -80,8 +77,8 @@ def config_of(server_args: Any) -> sparse_config.SparseConfig:
 
 def active_config() -> sparse_config.SparseConfig:
     """This process's config (main process: from the CLI; scheduler: from its ServerArgs)."""
-    if _active is not None:
-        return _active
+    if runtime.state().config is not None:
+        return runtime.state().config
     try:
         from sglang.srt.server_args import get_global_server_args
 

@@ -237,7 +237,7 @@ class Validator:
         vars(server).update(device="cuda", attention_backend=BACKEND_NAME,
                             model_config=_model_config(mla))
         vars(server).update({k: v for k, v in combo.server.items() if k != MLA})
-        with _isolated(hook):
+        with _isolated():
             try:
                 hook._around_from_cli_args(lambda _cls, _args: server, None, args)
                 if combo.request:
@@ -257,15 +257,18 @@ class Validator:
 
 
 @contextlib.contextmanager
-def _isolated(hook: Any) -> Iterator[None]:
-    """The start-up hook records the launched server's config in module globals, and
+def _isolated() -> Iterator[None]:
+    """The start-up hook records the launched server's config in the process state, and
     $SGLANG_EXT_CONFIG would add settings: keep both out of and unchanged by a check."""
-    saved = (hook._active, hook._active_impl, hook._active_mla)
+    from sglang_ext import runtime
+
+    process = runtime.state()
+    saved = (process.config, process.impl, process.mla)
     env = os.environ.pop(sparse_config.ENV_CONFIG, None)
     try:
         yield
     finally:
-        hook._active, hook._active_impl, hook._active_mla = saved
+        process.config, process.impl, process.mla = saved
         if env is not None:
             os.environ[sparse_config.ENV_CONFIG] = env
 

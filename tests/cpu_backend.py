@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from fake_backend import FakeReqToTokenPool
 
 
 def cpu_mha_pool(kv_dtype: torch.dtype, num_kv_heads: int, head_dim: int, layers: int,
@@ -41,9 +42,38 @@ def cpu_sparse_backend(tmp_path, pool: Any, req_to_token: torch.Tensor, num_q_he
                        label_config=str(tmp_path / "labels.json"),
                        label_dtype=side_dtype, summary_dtype=side_dtype)
     runner = SimpleNamespace(
-        device="cpu", req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
+        device="cpu", req_to_token_pool=FakeReqToTokenPool(req_to_token),
         token_to_kv_pool=pool, model_config=SimpleNamespace(
             num_attention_heads=num_q_heads, num_hidden_layers=layers, head_dim=d, v_head_dim=d,
             attention_arch=None, get_total_num_kv_heads=lambda: hkv),
         server_args=SimpleNamespace(page_size=page, enable_metrics=False), dtype=torch.bfloat16)
     return SparseDecodeBackend(runner, cfg)
+
+
+def decode_bf16_steps(backend: Any, table: torch.Tensor, rows: list[int], lens: list[int],
+                      steps: int, gen: torch.Generator, num_q_heads: int) -> list[torch.Tensor]:
+    """``steps`` decode steps of the requests in ``rows`` (each at its length in ``lens``,
+    its next slot from ``table``) through the backend, random bf16 q/k/v per layer; every
+    layer's output, in order."""
+    from fake_backend import DecodeMode
+
+    pool = backend.token_to_kv_pool
+    hkv, d = pool.get_key_buffer(0).shape[1:]
+    lens, outs = list(lens), []
+    for _ in range(steps):
+        lens = [n + 1 for n in lens]
+        seq = torch.tensor(lens)
+        batch = SimpleNamespace(
+            forward_mode=DecodeMode(), batch_size=len(rows), req_pool_indices=torch.tensor(rows),
+            seq_lens=seq, seq_lens_cpu=seq,
+            out_cache_loc=torch.stack([table[r, n - 1] for r, n in zip(rows, lens)]).long())
+        backend.init_forward_metadata(batch)
+        for layer_id in range(pool.layer_num):
+            layer = SimpleNamespace(layer_id=layer_id, tp_q_head_num=num_q_heads,
+                                    tp_k_head_num=hkv, tp_v_head_num=hkv, qk_head_dim=d,
+                                    v_head_dim=d, scaling=d ** -0.5)
+            q, k, v = (torch.randn(len(rows), n * d, generator=gen).to(torch.bfloat16)
+                       for n in (num_q_heads, hkv, hkv))
+            outs.append(backend.forward_decode(q, k.view(-1, hkv, d), v.view(-1, hkv, d),
+                                               layer, batch))
+    return outs

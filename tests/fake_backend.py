@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 
@@ -42,3 +44,21 @@ class ExtendMode:
 
     def is_decode(self) -> bool:
         return False
+
+
+class FakeReqToTokenPool:
+    """SGLang's ReqToTokenPool as the backend reads it: each request row's KV slots by position
+    (an object the side tables can key weakly, unlike a SimpleNamespace)."""
+
+    def __init__(self, req_to_token: torch.Tensor) -> None:
+        self.req_to_token = req_to_token
+
+
+class FakeReq(SimpleNamespace):
+    """A scheduler request as the admission hooks read it: hashed by identity like SGLang's Req
+    (unlike a SimpleNamespace), so the side tables can key it weakly."""
+
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        return self is other

@@ -16,11 +16,12 @@ import torch
 
 from sglang_ext.attention import request_overrides
 from sglang_ext.attention.async_block_filter import last_token_queries
+from sglang_ext.attention.features.async_filter import KernelAsyncFilter
 from sglang_ext.attention.sparse_backend import SparseDecodeBackend
 from sglang_ext.config import ConfigError, build_config
 from sglang_ext.kernels.sparse_decode import sparse_decode_batched_ref
 
-from fake_backend import DecodeMode, ExtendMode, FakePool
+from fake_backend import DecodeMode, ExtendMode, FakePool, FakeReqToTokenPool
 
 HQ, HKV, D, LAYERS, BS = 4, 2, 16, 2, 4
 STEPS = 3
@@ -61,7 +62,7 @@ def _setup(device: str, block_filter: str = "async", method: str = "two_level",
         own = torch.tensor(pages[i * per_req:(i + 1) * per_req])
         table[row] = (own[:, None] * BS + torch.arange(BS)).flatten()[:max_context].int()
     runner = SimpleNamespace(
-        device=device, req_to_token_pool=SimpleNamespace(req_to_token=table),
+        device=device, req_to_token_pool=FakeReqToTokenPool(table),
         token_to_kv_pool=pool, model_config=SimpleNamespace(num_attention_heads=HQ),
         server_args=SimpleNamespace(page_size=BS, enable_metrics=False), dtype=torch.float32)
     backend = SparseDecodeBackend(runner, cfg)
@@ -112,7 +113,7 @@ def _decode_inputs(table, rows, lens, gen, device):
 
 def _check_step(backend, pool, table, batch, per_layer, outs, block_q, block_lens):
     # the asynchronous filter ranks blocks by the bound (server-wide or asked for by a request)
-    params = dataclasses.replace(backend.kernel_params, block_filter="sync", block_score="bound")
+    params = dataclasses.replace(backend.default_params, block_filter="sync", block_score="bound")
     for layer_id, ((q, _, _), out) in enumerate(zip(per_layer, outs)):
         want, _, _ = sparse_decode_batched_ref(
             q.view(-1, HQ, D), pool.k[layer_id], pool.v[layer_id], table,
@@ -138,12 +139,13 @@ def _run(device: str, method: str = "two_level", graph: bool = False, impl: str 
 
         if graph and step == STEPS - 1:
             # the last step replays a captured graph (the side stream's fork and join inside)
-            saved = [t.clone() for t in (*pool.k, *pool.v, backend.block_filter.next_blocks)]
+            next_blocks = backend.decoder.feature(KernelAsyncFilter).filter.next_blocks
+            saved = [t.clone() for t in (*pool.k, *pool.v, next_blocks)]
             torch.cuda.synchronize()
             captured = torch.cuda.CUDAGraph()
             with torch.cuda.graph(captured):
                 outs = forward()
-            for t, s in zip((*pool.k, *pool.v, backend.block_filter.next_blocks), saved):
+            for t, s in zip((*pool.k, *pool.v, next_blocks), saved):
                 t.copy_(s)  # capturing ran nothing: the replay is the step
             captured.replay()
             torch.cuda.synchronize()

@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from sglang_ext.attention import request_overrides, sparse_backend
+from sglang_ext.attention import reference_decode, request_overrides
 from sglang_ext.attention.sparse_backend import SparseDecodeBackend
 from sglang_ext.config import build_config
 from sglang_ext.selection import sparse_decode
 
-from fake_backend import DecodeMode, FakePool
+from fake_backend import DecodeMode, FakePool, FakeReqToTokenPool
 
 HQ, HKV, D, LAYERS, SLOTS = 6, 2, 16, 2, 2048
 
@@ -29,7 +29,7 @@ def _backend(generator: torch.Generator, max_context: int, dense_decode: str = "
                        dense_decode=dense_decode)
     runner = SimpleNamespace(
         device="cpu",
-        req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(8, max_context, dtype=torch.int32)),
+        req_to_token_pool=FakeReqToTokenPool(torch.zeros(8, max_context, dtype=torch.int32)),
         token_to_kv_pool=FakePool(
             [torch.randn(SLOTS, HKV, D, generator=generator) for _ in range(LAYERS)],
             [torch.randn(SLOTS, HKV, D, generator=generator) for _ in range(LAYERS)]),
@@ -127,12 +127,12 @@ def test_one_token_extends_attend_like_decode_and_share_equal_rows():
         out_cache_loc=torch.tensor(last),
     )
     calls = []
-    real = sparse_backend._last_row_attention_fp32
-    sparse_backend._last_row_attention_fp32 = lambda *a: calls.append(1) or real(*a)
+    real = reference_decode.last_row_attention_fp32
+    reference_decode.last_row_attention_fp32 = lambda *a: calls.append(1) or real(*a)
     try:
-        out = backend._forward_extend_one_token_rows(q, k, v, layer, batch, True)
+        out = backend.decoder.one_token_extend_rows(layer, q, k, v, batch, True, backend._dense)
     finally:
-        sparse_backend._last_row_attention_fp32 = real
+        reference_decode.last_row_attention_fp32 = real
     out = out.view(5, HQ, D)
     assert len(calls) == 3  # requests 1-3 share one computation; 4 and 5 differ
     for i, row in enumerate(rows):

@@ -29,7 +29,7 @@ from sglang_ext.config import build_config
 from sglang_ext.selection.calibrate import FORMAT as LABELS_FORMAT
 from sglang_ext.selection.mla import mla_sparse_decode
 
-from fake_backend import DecodeMode, ExtendMode
+from fake_backend import DecodeMode, ExtendMode, FakeReqToTokenPool
 
 SMALL = dict(hq=4, rank=32, rope=16, qk_nope=24, v_head=16, page=4)
 DEEPSEEK_V2_LITE = dict(hq=16, rank=512, rope=64, qk_nope=128, v_head=128, page=32)
@@ -84,8 +84,8 @@ def _run(tmp_path, *, impl: str, budget: int, writer: str, dtype: torch.dtype, l
     rows = [3, 1, 6][: len(lens)]  # scattered request rows, never 0
     runner = SimpleNamespace(
         device=device,
-        req_to_token_pool=SimpleNamespace(
-            req_to_token=torch.zeros(8, max_context, dtype=torch.int32, device=device)),
+        req_to_token_pool=FakeReqToTokenPool(
+            torch.zeros(8, max_context, dtype=torch.int32, device=device)),
         token_to_kv_pool=pool,
         model_config=SimpleNamespace(attention_arch=AttentionArch.MLA, kv_lora_rank=rank,
                                      qk_rope_head_dim=rope, num_hidden_layers=1,
@@ -133,7 +133,7 @@ def _run(tmp_path, *, impl: str, budget: int, writer: str, dtype: torch.dtype, l
                            save_kv_cache=False)
     assert delegate.calls == 1
     k_buf, v_buf = pool.get_key_buffer(0), pool.get_value_buffer(0)
-    if backend.summaries is not None:
+    if getattr(backend.decoder, "summaries", None) is not None:
         _check_side_buffers(backend, table, rows, lens, k_buf, channels, page)
 
     # ---- decode steps
@@ -167,21 +167,21 @@ def _run(tmp_path, *, impl: str, budget: int, writer: str, dtype: torch.dtype, l
                 keys = k_buf[table[row, :n].long()]
                 expected = mla_sparse_decode(q[i], keys, params, scaling, rank, labels)
                 torch.testing.assert_close(out[i], expected, **tol)
-        if backend.summaries is not None:
+        if getattr(backend.decoder, "summaries", None) is not None:
             _check_side_buffers(backend, table, rows, lens, k_buf, channels, page)
 
 
 def _check_side_buffers(backend, table, rows, lens, k_buf, channels, page) -> None:
     """Every page's min/max and every token's label channels are those of the latent rows
     stored in the pool (not of the MHA keys the prefill passed)."""
-    kmin, kmax = backend.summaries.kmin[0], backend.summaries.kmax[0]
+    kmin, kmax = backend.decoder.summaries.kmin[0], backend.decoder.summaries.kmax[0]
     for row, n in zip(rows, lens):
         slots = table[row, :n].long()
         for start in range(0, n, page):
             rows_here = k_buf[slots[start : start + page]]
             p = int(slots[start]) // page
             assert torch.equal(kmin[p], rows_here.amin(0)) and torch.equal(kmax[p], rows_here.amax(0))
-        assert torch.equal(backend.labels[0][slots], k_buf[slots][..., channels])
+        assert torch.equal(backend.decoder.labels[0][slots], k_buf[slots][..., channels])
 
 
 @pytest.mark.parametrize("impl, budget, writer, dtype", [

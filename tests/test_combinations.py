@@ -90,15 +90,16 @@ def test_one_flag_with_two_values_is_neither_accepted_nor_refused(matrix):
 
 
 def test_a_check_leaves_the_launch_state_alone(monkeypatch):
-    from sglang_ext.patches import server_args as hook
+    from sglang_ext import runtime
 
+    process = runtime.state()
     monkeypatch.setenv("SGLANG_EXT_CONFIG", '{"tier": "sync"}')
-    before = (hook._active, hook._active_impl, hook._active_mla)
+    before = (process.config, process.impl, process.mla)
     feats = {f.key: f for f in combinations.features()}
     with combinations.Validator() as v:
         # $SGLANG_EXT_CONFIG's tier would refuse ds: the check must not see it
         assert v.refusal(combinations.combine(feats["ds"])) is None
-    assert (hook._active, hook._active_impl, hook._active_mla) == before
+    assert (process.config, process.impl, process.mla) == before
     import os
     assert os.environ["SGLANG_EXT_CONFIG"] == '{"tier": "sync"}'
 

@@ -19,6 +19,7 @@ import pytest
 import requests
 import torch
 
+from sglang_ext.kernels.sparse_decode import SelectionInputs
 from sglang_ext.memory_tier.cooperative import CostModel, PriorityScheduler
 from sglang_ext.memory_tier.cooperative_decode import TEST_ALL_CPU_ENV, CooperativeTier
 from sglang_ext.memory_tier.host_store import HostKVStore
@@ -133,15 +134,12 @@ def test_kernel_decode_with_cooperation_equals_the_untiered_decode(method, where
     coop = CooperativeTier(pool.host, pool.layout.gpu_tokens, sh.page_size, threads=2)
     real = steps.sparse_decode_batched
 
-    def routed(q, k, v, r2t, rpi, seq_lens, kmin, kmax, params, scale, channels=None,
-               workspace=None, page_map=None, on_blocks=None, attend_blocks=None,
-               locality=None):
-        if page_map is None:  # the oracle over the plain pool
-            return real(q, k, v, r2t, rpi, seq_lens, kmin, kmax, params, scale,
-                        channels=channels, workspace=workspace, locality=locality)
-        layer = next(i for i, t in enumerate(pool.k_buffer) if t is k)
-        return coop.attend_kernels(pool.tier, layer, q, k, v, r2t, rpi, seq_lens, kmin, kmax,
-                                   params, scale, channels, workspace, locality)
+    def routed(q, cache, rows, params, scale, workspace=None, inputs=SelectionInputs()):
+        if inputs.page_map is None:  # the oracle over the plain pool
+            return real(q, cache, rows, params, scale, workspace, inputs)
+        layer = next(i for i, t in enumerate(pool.k_buffer) if t is cache.k_buffer)
+        return coop.attend_kernels(pool.tier, layer, q, cache, rows, params, scale, workspace,
+                                   inputs.locality)
 
     monkeypatch.setattr(steps, "sparse_decode_batched", routed)
     try:

@@ -21,6 +21,9 @@ from sglang_ext.attention.sparse_backend import SparseDecodeBackend
 from sglang_ext.config import ConfigError, build_config
 from sglang_ext.kernels.guard_probe import GuardProbe, probe_recall_ref
 from sglang_ext.kernels.sparse_decode import (
+    DecodeRows,
+    LayerCache,
+    SelectionInputs,
     SparseDecodeWorkspace,
     select_slots_batched,
     sparse_decode_batched,
@@ -38,7 +41,7 @@ from sglang_ext.selection.guard import (
 )
 from sglang_ext.selection.reference import SelectionParams, select_token_mask
 
-from fake_backend import DecodeMode, FakePool
+from fake_backend import DecodeMode, FakePool, FakeReqToTokenPool
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -123,13 +126,13 @@ def test_batched_decode_with_per_request_budgets(method):
     q = random_values(gen, len(lens), hq, d, device=DEVICE)
     ws = SparseDecodeWorkspace(len(lens), hq, hkv, d, top, pb.max_blocks, DEVICE, torch.float32)
     row_ks = tuple(None if k is None else k.to(DEVICE) for k in row_top_k(base, budgets))
-    args = (q, pb.k_buffer)
-    tail = (pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.kmin, pb.kmax, top)
-    _, pos = select_slots_batched(*args, *tail, workspace=ws, return_positions=True,
-                                  row_ks=row_ks)
+    cache = LayerCache(pb.k_buffer, pb.v_buffer, pb.kmin, pb.kmax)
+    rows = DecodeRows(pb.req_to_token, pb.req_pool_indices, pb.seq_lens)
+    inputs = SelectionInputs(row_ks=row_ks)
+    _, pos = select_slots_batched(q, cache, rows, top, ws, inputs, return_positions=True)
     pos = pos.clone()
-    out, lse = sparse_decode_batched(*args, pb.v_buffer, *tail, d ** -0.5, workspace=ws,
-                                     return_lse=True, row_ks=row_ks)
+    out, lse = sparse_decode_batched(q, cache, rows, top, d ** -0.5, ws, inputs,
+                                     return_lse=True)
     for b, budget in enumerate(budgets.tolist()):
         params = widened(base, budget)
         sl = slice(b, b + 1)
@@ -157,9 +160,10 @@ def test_probe_kernel_matches_reference(kv):
     q = random_values(gen, len(lens), hq, d, dtype=torch.bfloat16, device=DEVICE)
     params = SelectionParams("two_level", 48, bs, 8, 3, 5)
     k_scale = 0.5 if fp8 else 1.0
-    _, sparse_lse = sparse_decode_batched(q, pb.k_buffer, pb.v_buffer, pb.req_to_token,
-                                          pb.req_pool_indices, pb.seq_lens, pb.kmin, pb.kmax,
-                                          params, d ** -0.5, return_lse=True, k_scale=k_scale)
+    _, sparse_lse = sparse_decode_batched(
+        q, LayerCache(pb.k_buffer, pb.v_buffer, pb.kmin, pb.kmax, k_scale=k_scale),
+        DecodeRows(pb.req_to_token, pb.req_pool_indices, pb.seq_lens), params, d ** -0.5,
+        return_lse=True)
     probe = GuardProbe(4, hq, hkv, d, min_len=48, max_context=pb.req_to_token.shape[1],
                        device=DEVICE, num_splits=4)
     for ctrl in ([1, 1], [1, 0], [0, 1]):
@@ -201,8 +205,8 @@ def _run_decode(guard: dict, k, v, q, length: int = 400, steps: int = 6, metrics
     max_context = length + steps + 1
     runner = SimpleNamespace(
         device="cpu",
-        req_to_token_pool=SimpleNamespace(
-            req_to_token=torch.zeros(4, max_context, dtype=torch.int32)),
+        req_to_token_pool=FakeReqToTokenPool(
+            torch.zeros(4, max_context, dtype=torch.int32)),
         token_to_kv_pool=FakePool([k.clone() for _ in range(LAYERS)],
                                   [v.clone() for _ in range(LAYERS)]),
         server_args=SimpleNamespace(enable_metrics=metrics),
@@ -237,7 +241,7 @@ def test_guard_raises_budget_when_mass_is_outside_the_selection():
     assert selection_recall(q, k[1:401], mask, D ** -0.5, 0) < 0.9  # the case is what it says
     _, state, backend = _run_decode({"guard_every": 2, "guard_max_budget": 128}, k, v, q)
     assert state.budget == 128  # 32 -> 64 -> 128 (capped) over the probes at steps 0, 2
-    assert backend._guard_totals[1] >= 2 and backend._guard_totals[2] == 0
+    assert backend.decoder.guard.totals.counts[1] >= 2 and backend.decoder.guard.totals.counts[2] == 0
 
 
 def test_guard_leaves_budget_alone_when_mass_is_inside():
@@ -245,7 +249,7 @@ def test_guard_leaves_budget_alone_when_mass_is_inside():
     mask = select_token_mask(q, k[1:401], SelectionParams("two_level", 32, 4, 12, 4, 8))
     assert selection_recall(q, k[1:401], mask, D ** -0.5, 0) > 0.97
     _, state, backend = _run_decode({"guard_every": 2, "guard_max_budget": 128}, k, v, q)
-    assert state.budget == 32 and backend._guard_totals == [3, 0, 0]
+    assert state.budget == 32 and backend.decoder.guard.totals.counts == [3, 0, 0]
 
 
 def test_guard_that_never_fires_changes_nothing():
@@ -254,7 +258,7 @@ def test_guard_that_never_fires_changes_nothing():
     # recall threshold ~0: never raises; the budget cannot go below its base either
     on, state, backend = _run_decode({"guard_every": 1, "guard_recall": 1e-9,
                                       "guard_max_budget": 128}, k, v, q)
-    assert state.budget == 32 and backend._guard_totals[0] == 6
+    assert state.budget == 32 and backend.decoder.guard.totals.counts[0] == 6
     for a, b in zip(off, on):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 

@@ -166,10 +166,7 @@ def _backend_decode(tmp_path, monkeypatch, fused: bool, kv_dtype, side_dtype: st
     """Decode steps of a batch through the backend on SGLang's own (CPU) MHA pool, the KV
     written by the fused kernel or by set_kv_buffer + the summary and label kernels; returns
     (whether the fused path ran, outputs, the pool's rows, summaries, labels)."""
-    from types import SimpleNamespace
-
-    from cpu_backend import cpu_mha_pool, cpu_sparse_backend
-    from fake_backend import DecodeMode
+    from cpu_backend import cpu_mha_pool, cpu_sparse_backend, decode_bf16_steps
 
     monkeypatch.setenv("SGLANG_EXT_FUSED_KV_WRITE", "1" if fused else "0")
     hq, hkv, d, layers, page = 4, 2, 16, 2, 4
@@ -190,28 +187,12 @@ def _backend_decode(tmp_path, monkeypatch, fused: bool, kv_dtype, side_dtype: st
         table[row] = (own[:, None] * page + torch.arange(page)).flatten()[:max_context].int()
     backend = cpu_sparse_backend(tmp_path, pool, table, hq,
                                  [[[0, 7, 15], [2, 3, 9]] for _ in range(layers)], side_dtype)
-    outs = []
-    for _ in range(steps):
-        lens = [n + 1 for n in lens]
-        seq = torch.tensor(lens)
-        batch = SimpleNamespace(
-            forward_mode=DecodeMode(), batch_size=len(rows), req_pool_indices=torch.tensor(rows),
-            seq_lens=seq, seq_lens_cpu=seq,
-            out_cache_loc=torch.stack([table[r_, n - 1] for r_, n in zip(rows, lens)]).long())
-        backend.init_forward_metadata(batch)
-        for layer_id in range(layers):
-            layer = SimpleNamespace(layer_id=layer_id, tp_q_head_num=hq, tp_k_head_num=hkv,
-                                    tp_v_head_num=hkv, qk_head_dim=d, v_head_dim=d,
-                                    scaling=d ** -0.5)
-            q, k, v = (torch.randn(len(rows), n * d, generator=gen).to(torch.bfloat16)
-                       for n in (hq, hkv, hkv))
-            outs.append(backend.forward_decode(q, k.view(-1, hkv, d), v.view(-1, hkv, d),
-                                               layer, batch))
+    outs = decode_bf16_steps(backend, table, rows, lens, steps, gen, hq)
     state = [_bytes(pool.get_key_buffer(i)) for i in range(layers)]
     state += [_bytes(pool.get_value_buffer(i)) for i in range(layers)]
-    state += [_bytes(t) for t in backend.summaries.kmin + backend.summaries.kmax]
-    state += [_bytes(t) for t in backend.labels]
-    return backend._fused_write_pool, outs, state
+    state += [_bytes(t) for t in backend.decoder.summaries.kmin + backend.decoder.summaries.kmax]
+    state += [_bytes(t) for t in backend.decoder.labels]
+    return backend.decoder._fused_write, outs, state
 
 
 @pytest.mark.parametrize("kv_dtype,side_dtype", [(torch.bfloat16, "auto"),

@@ -1,8 +1,8 @@
 """The label cache (kernels/label_cache.py): stored label channels equal the keys' channels (the
 Triton write against the torch reference), and token scoring from the cache gives exactly the
 scores, and selects exactly the slots, that gathering the channels from the pool does
-(kernels/token_scores.py ``keys_are_labels``, kernels/sparse_decode.py ``labels=``), which the
-oracle tests pin down."""
+(kernels/token_scores.py ``keys_are_labels``, kernels/sparse_decode.py ``LayerCache.labels``),
+which the oracle tests pin down."""
 
 import pytest
 import torch
@@ -13,6 +13,8 @@ from sglang_ext.kernels.label_cache import (
     update_label_cache_ref,
 )
 from sglang_ext.kernels.sparse_decode import (
+    DecodeRows,
+    LayerCache,
     SparseDecodeWorkspace,
     select_slots_batched,
     sparse_decode_batched,
@@ -29,6 +31,15 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def _channels(gen, hkv, head_dim, r, device):
     return torch.stack([torch.randperm(head_dim, generator=gen)[:r] for _ in range(hkv)]).to(device)
+
+
+def _cache(pb, channels=None, labels=None):
+    return LayerCache(pb.k_buffer, pb.v_buffer, pb.kmin, pb.kmax, channels=channels,
+                      labels=labels)
+
+
+def _rows(pb):
+    return DecodeRows(pb.req_to_token, pb.req_pool_indices, pb.seq_lens)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -105,22 +116,19 @@ def test_selection_from_the_cache_is_the_same(method, dtype):
     labels = allocate_label_cache(pb.k_buffer.shape[0], hkv, 5, DEVICE, dtype)
     update_label_cache(labels, pb.k_buffer, torch.arange(pb.k_buffer.shape[0], device=DEVICE),
                        channels)
-    common = (q, pb.k_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.kmin,
-              pb.kmax, params)
+    rows = _rows(pb)
 
     def workspace():
         return SparseDecodeWorkspace(4, hq, hkv, d, params, pb.max_blocks, DEVICE, dtype)
 
-    expected = select_slots_batched(*common, channels=channels, workspace=workspace()).clone()
-    got = select_slots_batched(*common, channels=channels, workspace=workspace(), labels=labels)
+    expected = select_slots_batched(q, _cache(pb, channels), rows, params, workspace()).clone()
+    got = select_slots_batched(q, _cache(pb, channels, labels), rows, params, workspace())
     assert torch.equal(got, expected)
-    tail = (pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.kmin, pb.kmax, params, d ** -0.5)
-    out = sparse_decode_batched(q, pb.k_buffer, pb.v_buffer, *tail, channels=channels,
-                                labels=labels)
-    ref = sparse_decode_batched(q, pb.k_buffer, pb.v_buffer, *tail, channels=channels)
+    out = sparse_decode_batched(q, _cache(pb, channels, labels), rows, params, d ** -0.5)
+    ref = sparse_decode_batched(q, _cache(pb, channels), rows, params, d ** -0.5)
     assert torch.equal(out, ref)
     with pytest.raises(ValueError, match="labels need their channels"):
-        select_slots_batched(*common, channels=None, workspace=workspace(), labels=labels)
+        select_slots_batched(q, _cache(pb, None, labels), rows, params, workspace())
 
 
 @gpu
@@ -138,10 +146,9 @@ def test_gpu_real_shapes_same_slots(method):
     labels = allocate_label_cache(pb.k_buffer.shape[0], 8, 16, "cuda")
     update_label_cache(labels, pb.k_buffer, torch.arange(pb.k_buffer.shape[0], device="cuda"),
                        channels)
-    common = (q, pb.k_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.kmin,
-              pb.kmax, params)
-    expected = select_slots_batched(*common, channels=channels).clone()
-    assert torch.equal(select_slots_batched(*common, channels=channels, labels=labels), expected)
+    expected = select_slots_batched(q, _cache(pb, channels), _rows(pb), params).clone()
+    assert torch.equal(select_slots_batched(q, _cache(pb, channels, labels), _rows(pb), params),
+                       expected)
 
 
 def _fp8_labels_select_what_the_reference_selects(method, device, lens, hq, hkv, d, bs, budget,
@@ -165,9 +172,7 @@ def _fp8_labels_select_what_the_reference_selects(method, device, lens, hq, hkv,
     assert torch.equal(labels.float(), want.float())
     assert to_label_storage(torch.tensor([1e4, -1e4]), dtype).float().tolist() == [448, -448]
 
-    common = (q, pb.k_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.kmin,
-              pb.kmax, params)
-    _, pos = select_slots_batched(*common, channels=channels, labels=labels,
+    _, pos = select_slots_batched(q, _cache(pb, channels, labels), _rows(pb), params,
                                   return_positions=True)
     tail = (pb.req_to_token, pb.req_pool_indices, pb.seq_lens)
     _, _, masks = sparse_decode_batched_ref(q, pb.k_buffer, pb.v_buffer, *tail, params,
@@ -183,9 +188,9 @@ def _fp8_labels_select_what_the_reference_selects(method, device, lens, hq, hkv,
             differs |= not torch.equal(masks[b][g], exact_masks[b][g])
     assert differs, "fp8 rounding changed no selection: the test data cannot tell"
     with pytest.raises(ValueError, match="needs the label cache"):
-        select_slots_batched(*common, channels=channels)
+        select_slots_batched(q, _cache(pb, channels), _rows(pb), params)
     with pytest.raises(ValueError, match="the cache holds"):
-        select_slots_batched(*common[:-1], exact, channels=channels, labels=labels)
+        select_slots_batched(q, _cache(pb, channels, labels), _rows(pb), exact)
 
 
 @pytest.mark.parametrize("method", ["two_level", "ds"])

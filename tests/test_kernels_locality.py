@@ -22,6 +22,9 @@ from sglang_ext.kernels.locality import (
     update_eviction_page_scores,
 )
 from sglang_ext.kernels.sparse_decode import (
+    DecodeRows,
+    LayerCache,
+    SelectionInputs,
     SparseDecodeWorkspace,
     select_slots_batched,
     sparse_decode_batched,
@@ -30,6 +33,7 @@ from sglang_ext.kernels.testing import case_generator, make_paged_batch, random_
 from sglang_ext.selection.eviction_head import EvictionHeads
 from sglang_ext.selection.locality import LocalityState, select_token_mask_locality
 from sglang_ext.selection.reference import SelectionParams, sparse_attention
+from fake_backend import FakeReqToTokenPool
 
 HQ, HKV, D, BS = 4, 2, 16, 4
 # sink 3: the first middle block is partial; n_sel = 31 tokens (7 whole blocks); k_e = 3;
@@ -138,14 +142,14 @@ def _run(name: str, params: SelectionParams, starts: list[int], steps: int,
                             torch.zeros(1, dtype=torch.int64, device=device)])
         lens_t = torch.tensor(lens + [1], dtype=torch.int32, device=device)
         q = torch.cat([trace.qs[t], trace.qs[t][:1]])
+        cache = LayerCache(pb.k_buffer, pb.v_buffer, trace.kmin, trace.kmax,
+                           channels=trace.channels)
+        decode_rows = DecodeRows(pb.req_to_token, rows_t, lens_t)
         out = sparse_decode_batched(
-            q, pb.k_buffer, pb.v_buffer, pb.req_to_token, rows_t, lens_t, trace.kmin,
-            trace.kmax, params, SCALE, channels=trace.channels, workspace=ws,
-            locality=state.layer(0) if state is not None else None)
+            q, cache, decode_rows, params, SCALE, ws,
+            SelectionInputs(locality=state.layer(0) if state is not None else None))
         if state is None:  # positions are only kept for γ: ask for them
-            select_slots_batched(q, pb.k_buffer, pb.req_to_token, rows_t, lens_t, trace.kmin,
-                                 trace.kmax, params, channels=trace.channels, workspace=ws,
-                                 return_positions=True)
+            select_slots_batched(q, cache, decode_rows, params, ws, return_positions=True)
         positions = ws.positions[:batch].clone()
         for b, length in enumerate(lens):
             row = int(pb.req_pool_indices[b])
@@ -255,22 +259,22 @@ def test_locality_decode_step_replays_in_a_cuda_graph(new_blocks):
                                                 torch.float32) for _ in range(2))
     q = torch.zeros(2, HQ, D, device="cuda")
     lens = torch.tensor(starts, dtype=torch.int32, device="cuda")
-    common = (q, pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices, lens, pb.kmin,
-              pb.kmax, params, SCALE)
+    common = (q, LayerCache(pb.k_buffer, pb.v_buffer, pb.kmin, pb.kmax),
+              DecodeRows(pb.req_to_token, pb.req_pool_indices, lens), params, SCALE)
     # warm up (compiles) on throwaway state, then capture
     scratch = state()
     sparse_decode_batched(*common, workspace=ws_graph,
-                          locality=scratch.layer(0))
+                          inputs=SelectionInputs(locality=scratch.layer(0)))
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out_graph = sparse_decode_batched(*common, workspace=ws_graph,
-                                          locality=graph_state.layer(0))
+                                          inputs=SelectionInputs(locality=graph_state.layer(0)))
     for t in range(steps):
         q.copy_(random_values(gen, 2, HQ, D, device="cuda"))
         lens.copy_(torch.tensor([s + t for s in starts], dtype=torch.int32))
         want = sparse_decode_batched(*common, workspace=ws_eager,
-                                     locality=eager_state.layer(0)).clone()
+                                     inputs=SelectionInputs(locality=eager_state.layer(0))).clone()
         graph.replay()
         torch.testing.assert_close(out_graph, want, rtol=0, atol=0)
         assert torch.equal(graph_state.keep_ids, eager_state.keep_ids)
@@ -347,10 +351,12 @@ def test_backend_kernel_decode_with_locality(kind, tmp_path, monkeypatch):
 
     from fake_backend import DecodeMode, FakePool
     from sglang_ext.attention import sparse_backend
+    from sglang_ext.attention.features import locality as locality_feature
+    from sglang_ext.attention.features.locality import KernelLocality
     from sglang_ext.config import build_config
     from sglang_ext.selection.eviction_head import save_eviction_heads
 
-    monkeypatch.setattr(sparse_backend, "LOCALITY_READ_EVERY", 1)
+    monkeypatch.setattr(locality_feature, "LOCALITY_READ_EVERY", 1)
     layers, slots = 2, 1024
     gen = case_generator("locality-backend", kind)
     heads = EvictionHeads(layers, HKV, D, generator=gen)
@@ -366,12 +372,13 @@ def test_backend_kernel_decode_with_locality(kind, tmp_path, monkeypatch):
     runner = SimpleNamespace(
         device="cpu", token_to_kv_pool=pool, dtype=torch.float32,
         server_args=SimpleNamespace(page_size=BS, enable_metrics=False),
-        req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(4, 128, dtype=torch.int32)),
+        req_to_token_pool=FakeReqToTokenPool(torch.zeros(4, 128, dtype=torch.int32)),
         model_config=SimpleNamespace(num_hidden_layers=layers, head_dim=D,
                                      num_attention_heads=HQ, get_total_num_kv_heads=lambda: HKV))
     backend = sparse_backend.SparseDecodeBackend(runner, cfg)
     observed = []
-    backend._locality_metrics = SimpleNamespace(observe_many=lambda *a: observed.append(a))
+    backend.decoder.feature(KernelLocality).metrics = SimpleNamespace(
+        observe_many=lambda *a: observed.append(a))
 
     def write(l, loc):
         pool.k[l][loc] = torch.randn(len(loc), HKV, D, generator=gen)

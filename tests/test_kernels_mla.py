@@ -23,6 +23,8 @@ from sglang_ext.kernels.sparse_attention import (
     sparse_attention_batched_ref,
 )
 from sglang_ext.kernels.sparse_decode import (
+    DecodeRows,
+    LayerCache,
     SparseDecodeWorkspace,
     select_slots_batched,
     sparse_decode_batched,
@@ -55,6 +57,14 @@ def _mla_batch(gen, lens, rank, rope, bs, dtype, device=DEVICE, **kw) -> PagedBa
     return pb
 
 
+def _cache(pb: PagedBatch, channels=None) -> LayerCache:
+    return LayerCache(pb.k_buffer, pb.v_buffer, pb.kmin, pb.kmax, channels=channels)
+
+
+def _rows(pb: PagedBatch) -> DecodeRows:
+    return DecodeRows(pb.req_to_token, pb.req_pool_indices, pb.seq_lens)
+
+
 def _check_decode(pb: PagedBatch, q, params, rank, channels=None, workspace=None,
                   dtype=torch.bfloat16):
     """Pipeline vs the MLA reference per request: the same position set, slots that are
@@ -63,12 +73,10 @@ def _check_decode(pb: PagedBatch, q, params, rank, channels=None, workspace=None
     if workspace is None:
         workspace = SparseDecodeWorkspace(batch, hq, 1, rank, params, pb.max_blocks, q.device,
                                           q.dtype)
-    tail = (pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.kmin, pb.kmax, params)
-    slots, pos = select_slots_batched(q, pb.k_buffer, *tail, channels=channels,
-                                      workspace=workspace, return_positions=True)
+    cache, rows = _cache(pb, channels), _rows(pb)
+    slots, pos = select_slots_batched(q, cache, rows, params, workspace, return_positions=True)
     slots, pos = slots.clone(), pos.clone()
-    out, lse = sparse_decode_batched(q, pb.k_buffer, pb.v_buffer, *tail, SCALING,
-                                     channels=channels, workspace=workspace, return_lse=True)
+    out, lse = sparse_decode_batched(q, cache, rows, params, SCALING, workspace, return_lse=True)
     assert out.shape == (batch, hq, rank)
     for b, length in enumerate(pb.lens):
         keys = pb.keys(b)
@@ -174,9 +182,7 @@ def test_budget_covering_context_is_dense_mla():
     gen = case_generator("mla-dense")
     pb = _mla_batch(gen, [1, 77, 256], R, P, bs, torch.float32)
     q = random_values(gen, 3, hq, R + P, device=DEVICE)
-    out = sparse_decode_batched(q, pb.k_buffer, pb.v_buffer, pb.req_to_token,
-                                pb.req_pool_indices, pb.seq_lens, pb.kmin, pb.kmax, params,
-                                SCALING)
+    out = sparse_decode_batched(q, _cache(pb), _rows(pb), params, SCALING)
     for b in range(3):
         torch.testing.assert_close(out[b], mla_dense_decode(q[b], pb.keys(b), SCALING, R),
                                    **TOL[torch.float32])
@@ -264,9 +270,7 @@ def test_gpu_dense_budget_equals_sglang_triton_mla_decode():
     pb = _mla_batch(gen, lens, 512, 64, 16, torch.bfloat16, device="cuda", summary_chunks=2)
     q = random_values(gen, 3, 16, 576, dtype=torch.bfloat16, device="cuda")
     params = SelectionParams("two_level", 4096, 16, 256, 16, 64)
-    ours = sparse_decode_batched(q, pb.k_buffer, pb.v_buffer, pb.req_to_token,
-                                 pb.req_pool_indices, pb.seq_lens, pb.kmin, pb.kmax, params,
-                                 SCALING)
+    ours = sparse_decode_batched(q, _cache(pb), _rows(pb), params, SCALING)
     rows = [pb.req_to_token[int(r), :n] for r, n in zip(pb.req_pool_indices, lens)]
     kv_indices = torch.cat(rows).long()
     kv_indptr = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,

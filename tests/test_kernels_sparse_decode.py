@@ -16,6 +16,9 @@ import pytest
 
 from sglang_ext.kernels.block_summary import update_block_summaries
 from sglang_ext.kernels.sparse_decode import (
+    DecodeRows,
+    LayerCache,
+    SelectionInputs,
     SparseDecodeWorkspace,
     select_blocks_batched,
     select_slots_batched,
@@ -47,6 +50,19 @@ def _poison(ws):
     return ws
 
 
+def _cache(pb, channels=None, kmin=None, kmax=None, **kw):
+    """The batch's layer: its keys, values and summaries (``kmin``/``kmax`` override those)."""
+    return LayerCache(pb.k_buffer, pb.v_buffer, pb.kmin if kmin is None else kmin,
+                      pb.kmax if kmax is None else kmax, channels=channels, **kw)
+
+
+def _rows(pb, req_pool_indices=None, seq_lens=None):
+    """The batch's rows (``req_pool_indices``/``seq_lens`` override the batch's)."""
+    return DecodeRows(pb.req_to_token,
+                      pb.req_pool_indices if req_pool_indices is None else req_pool_indices,
+                      pb.seq_lens if seq_lens is None else seq_lens)
+
+
 def _workspace(pb, q, params):
     return SparseDecodeWorkspace(q.shape[0], q.shape[1], pb.k_buffer.shape[1],
                                  pb.v_buffer.shape[2], params, pb.max_blocks, q.device, q.dtype)
@@ -67,18 +83,17 @@ def _run_and_check(pb, q, params, channels, workspace=None, dtype=torch.bfloat16
     if block_q is not None:
         block_lens = pb.seq_lens - 1
         candidates = select_blocks_batched(
-            block_q, pb.kmin, pb.kmax, pb.req_to_token, pb.req_pool_indices, block_lens,
-            params, _poison(_workspace(pb, q, params))).clone()
+            block_q, _cache(pb), _rows(pb, seq_lens=block_lens), params,
+            _poison(_workspace(pb, q, params))).clone()
     _poison(workspace)
     sm_scale = head_dim ** -0.5
-    args = (q, pb.k_buffer)
-    tail = (pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.kmin, pb.kmax, params)
-    slots, pos = select_slots_batched(*args, *tail, channels=channels, workspace=workspace,
-                                      return_positions=True, candidates=candidates)
+    cache = _cache(pb, channels, k_scale=k_scale, v_scale=v_scale)
+    inputs = SelectionInputs(candidates=candidates)
+    slots, pos = select_slots_batched(q, cache, _rows(pb), params, workspace, inputs,
+                                      return_positions=True)
     slots, pos = slots.clone(), pos.clone()
-    out, lse = sparse_decode_batched(*args, pb.v_buffer, *tail, sm_scale, channels=channels,
-                                     workspace=workspace, return_lse=True, candidates=candidates,
-                                     k_scale=k_scale, v_scale=v_scale)
+    out, lse = sparse_decode_batched(q, cache, _rows(pb), params, sm_scale, workspace, inputs,
+                                     return_lse=True)
     ref_out, ref_lse, masks = sparse_decode_batched_ref(
         q, pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, params,
         sm_scale, channels, block_queries=block_q, block_lens=block_lens, k_scale=k_scale,
@@ -159,12 +174,11 @@ def test_blocks_chosen_a_step_earlier_match_reference(method):
     assert any(not torch.equal(a, b) for a, b in zip(stale, fresh))
     # this step's own query as the earlier one at this length: the same as the in-line filter
     ws = _workspace(pb, q, params)
-    same = select_blocks_batched(q, pb.kmin, pb.kmax, pb.req_to_token, pb.req_pool_indices,
-                                 pb.seq_lens, params, ws).clone()
-    tail = (pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.kmin, pb.kmax, params)
-    given = select_slots_batched(q, pb.k_buffer, *tail, channels=channels,
-                                 workspace=_workspace(pb, q, params), candidates=same).clone()
-    inline = select_slots_batched(q, pb.k_buffer, *tail, channels=channels, workspace=ws)
+    same = select_blocks_batched(q, _cache(pb), _rows(pb), params, ws).clone()
+    given = select_slots_batched(q, _cache(pb, channels), _rows(pb), params,
+                                 _workspace(pb, q, params),
+                                 SelectionInputs(candidates=same)).clone()
+    inline = select_slots_batched(q, _cache(pb, channels), _rows(pb), params, ws)
     assert torch.equal(given, inline)
 
 
@@ -173,15 +187,13 @@ def test_given_candidates_are_checked():
     gen = case_generator("async-shape")
     pb = make_paged_batch(gen, [60, 70], 2, 16, 4, device=DEVICE)
     q = random_values(gen, 2, 4, 16, device=DEVICE)
-    tail = (pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.kmin, pb.kmax, params)
     bad = torch.zeros(2, 2, 5, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="candidates"):
-        select_slots_batched(q, pb.k_buffer, *tail, workspace=_workspace(pb, q, params),
-                             candidates=bad)
+        select_slots_batched(q, _cache(pb), _rows(pb), params, _workspace(pb, q, params),
+                             SelectionInputs(candidates=bad))
     ds = SelectionParams("ds", 27, 4, 8, 3, 8)
     with pytest.raises(ValueError, match="block-filter"):
-        select_blocks_batched(q, pb.kmin, pb.kmax, pb.req_to_token, pb.req_pool_indices,
-                              pb.seq_lens, ds, _workspace(pb, q, ds))
+        select_blocks_batched(q, _cache(pb), _rows(pb), ds, _workspace(pb, q, ds))
 
 
 def test_fp32_ties_exact():
@@ -219,27 +231,24 @@ def test_padding_entries_and_workspace_reuse():
     pb = make_paged_batch(gen, [70, 30, 23], hkv, d, bs, device=DEVICE)
     q = random_values(gen, 5, hq, d, dtype=torch.float32, device=DEVICE)
     ws = SparseDecodeWorkspace(5, hq, hkv, d, params, pb.max_blocks, DEVICE, torch.float32)
-    common = (pb.req_to_token,)
-    real = sparse_decode_batched(q[:3], pb.k_buffer, pb.v_buffer, *common, pb.req_pool_indices,
-                                 pb.seq_lens, pb.kmin, pb.kmax, params, 0.2).clone()
+    cache = _cache(pb)
+    real = sparse_decode_batched(q[:3], cache, _rows(pb), params, 0.2).clone()
     rows = torch.cat([pb.req_pool_indices, torch.zeros(2, dtype=torch.int64, device=DEVICE)])
     lens = torch.cat([pb.seq_lens, torch.ones(2, dtype=torch.int32, device=DEVICE)])
-    padded = sparse_decode_batched(q, pb.k_buffer, pb.v_buffer, *common, rows, lens, pb.kmin,
-                                   pb.kmax, params, 0.2, workspace=ws)
+    padded = sparse_decode_batched(q, cache, _rows(pb, rows, lens), params, 0.2, workspace=ws)
     assert padded.data_ptr() == ws.out.data_ptr()
     torch.testing.assert_close(padded[:3], real, rtol=0, atol=0)
     assert padded[3:].isfinite().all()
     # padded entries attend exactly the padding slot 0
     torch.testing.assert_close(padded[3:], pb.v_buffer[0].repeat_interleave(hq // hkv, 0)
                                .expand(2, -1, -1))
-    again = sparse_decode_batched(q[1:3], pb.k_buffer, pb.v_buffer, *common,
-                                  pb.req_pool_indices[1:], pb.seq_lens[1:], pb.kmin, pb.kmax,
+    again = sparse_decode_batched(q[1:3], cache,
+                                  _rows(pb, pb.req_pool_indices[1:], pb.seq_lens[1:]),
                                   params, 0.2, workspace=ws)
     torch.testing.assert_close(again, real[1:], rtol=0, atol=0)
     with pytest.raises(ValueError):
-        sparse_decode_batched(q, pb.k_buffer, pb.v_buffer, *common, rows, lens, pb.kmin,
-                              pb.kmax, SelectionParams("quest", 24, bs, 4, 3, 5), 0.2,
-                              workspace=ws)
+        sparse_decode_batched(q, cache, _rows(pb, rows, lens),
+                              SelectionParams("quest", 24, bs, 4, 3, 5), 0.2, workspace=ws)
 
 
 @pytest.mark.parametrize("method", ["quest", "ds", "two_level"])
@@ -253,8 +262,7 @@ def test_unfused_assembly_and_radix_bits(method):
     gen = case_generator("unfused", method)
     pb = make_paged_batch(gen, [20, 61, 90], hkv, d, bs, dtype=torch.bfloat16, device=DEVICE)
     q = random_values(gen, 3, hq, d, dtype=torch.bfloat16, device=DEVICE)
-    args = (q, pb.k_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.kmin, pb.kmax,
-            params)
+    args = (q, _cache(pb), _rows(pb), params)
     default = select_slots_batched(*args).clone()
     for kw in (dict(fuse_assemble=False), dict(topk_radix_bits=6), dict(topk_radix_bits=(8, 8)),
                dict(topk_radix_bits=(5, 7)), dict(block_score_precision="tc"), dict(assemble_tile=16),
@@ -278,8 +286,7 @@ def test_output_goes_where_the_caller_asks():
     pb = make_paged_batch(gen, [20, 61, 90], hkv, d, bs, dtype=torch.bfloat16, device=DEVICE)
     q = random_values(gen, 3, hq, d, dtype=torch.bfloat16, device=DEVICE)
     ws = SparseDecodeWorkspace(3, hq, hkv, d, params, pb.max_blocks, DEVICE, torch.bfloat16)
-    args = (q, pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens,
-            pb.kmin, pb.kmax, params, d ** -0.5)
+    args = (q, _cache(pb), _rows(pb), params, d ** -0.5)
     shared = sparse_decode_batched(*args, workspace=ws).clone()
     mine = torch.full_like(shared, float("nan"))
     got = sparse_decode_batched(*args, workspace=ws, out=mine)
@@ -295,9 +302,9 @@ def test_float32_summaries_select_the_same():
     pb = make_paged_batch(gen, [50, 97], hkv, d, bs, dtype=torch.bfloat16, device=DEVICE)
     assert pb.kmin.dtype == torch.bfloat16
     q = random_values(gen, 2, hq, d, dtype=torch.bfloat16, device=DEVICE)
-    common = (q, pb.k_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens)
-    got_bf16 = select_slots_batched(*common, pb.kmin, pb.kmax, params).clone()
-    got_fp32 = select_slots_batched(*common, pb.kmin.float(), pb.kmax.float(), params)
+    got_bf16 = select_slots_batched(q, _cache(pb), _rows(pb), params).clone()
+    got_fp32 = select_slots_batched(q, _cache(pb, kmin=pb.kmin.float(), kmax=pb.kmax.float()),
+                                    _rows(pb), params)
     assert torch.equal(got_bf16, got_fp32)
 
 
@@ -411,11 +418,10 @@ def test_gpu_selection_variants_same_slots(method):
     q = random_values(gen, 4, 32, 128, dtype=torch.bfloat16, device="cuda")
     params = _gpu_params(method)
     channels = _channels(gen, 8, 128, 16, "cuda")
-    common = (q, pb.k_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens)
     # fp32 products summed in one order everywhere ("fma"); the tensor-core block scores (the
     # GPU default for bf16) sum in another order: compared on dyadic data above
     fma = dict(block_score_precision="fma")
-    default = select_slots_batched(*common, pb.kmin, pb.kmax, params, channels=channels,
+    default = select_slots_batched(q, _cache(pb, channels), _rows(pb), params,
                                    workspace=SparseDecodeWorkspace(
                                        4, 32, 8, 128, params, pb.max_blocks, "cuda",
                                        torch.bfloat16, **fma)).clone()
@@ -426,7 +432,9 @@ def test_gpu_selection_variants_same_slots(method):
                           ((pb.kmin, pb.kmax), dict(scatter_selected=False))):
         ws = SparseDecodeWorkspace(4, 32, 8, 128, params, pb.max_blocks, "cuda", torch.bfloat16,
                                    **fma, **kw)
-        got = select_slots_batched(*common, *summaries, params, channels=channels, workspace=ws)
+        kmin, kmax = summaries
+        got = select_slots_batched(q, _cache(pb, channels, kmin, kmax), _rows(pb), params,
+                                   workspace=ws)
         assert torch.equal(got, default), kw
 
 
@@ -469,9 +477,8 @@ def test_gpu_cuda_graph_replay(method):
     ws = SparseDecodeWorkspace(4, 32, 8, 128, params, pb.max_blocks, "cuda", torch.bfloat16)
 
     def step(q_, rows_, seq_, workspace):
-        return sparse_decode_batched(q_, pb.k_buffer, pb.v_buffer, pb.req_to_token, rows_, seq_,
-                                     pb.kmin, pb.kmax, params, 128 ** -0.5, channels=channels,
-                                     workspace=workspace)
+        return sparse_decode_batched(q_, _cache(pb, channels), _rows(pb, rows_, seq_), params,
+                                     128 ** -0.5, workspace=workspace)
 
     static_q, static_rows, static_seq = q.clone(), rows.clone(), seq.clone()
     side = torch.cuda.Stream()

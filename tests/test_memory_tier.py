@@ -16,7 +16,13 @@ import torch
 
 from sglang_ext.kernels.host_gather import gather_host_blocks
 from sglang_ext.kernels.host_scatter import scatter_to_host, scatter_to_host_ref
-from sglang_ext.kernels.sparse_decode import SparseDecodeWorkspace, sparse_decode_batched
+from sglang_ext.kernels.sparse_decode import (
+    DecodeRows,
+    LayerCache,
+    SelectionInputs,
+    SparseDecodeWorkspace,
+    sparse_decode_batched,
+)
 from sglang_ext.kernels.testing import case_generator, make_paged_batch, random_values
 from sglang_ext.memory_tier.host_store import HostKVStore
 from sglang_ext.memory_tier.working_set import WorkingSetTier
@@ -133,15 +139,20 @@ class TieredSetup:
         on_blocks, attend = self.tier.decode_hooks(0, pb.req_pool_indices, pb.req_to_token,
                                                    self.dev_k, self.dev_v)
         out = sparse_decode_batched(
-            q, self.dev_k, self.dev_v, pb.req_to_token, pb.req_pool_indices, pb.seq_lens,
-            pb.kmin, pb.kmax, self.params, 0.3, channels=channels, workspace=self.workspace,
-            page_map=self.tier.page_map(0), on_blocks=on_blocks, attend_blocks=attend,
+            q, LayerCache(self.dev_k, self.dev_v, pb.kmin, pb.kmax, channels=channels),
+            _rows(pb), self.params, 0.3, self.workspace,
+            SelectionInputs(page_map=self.tier.page_map(0), on_blocks=on_blocks,
+                            attend_blocks=attend),
         ).clone()
         self.tier.after_layer(0, pb.req_pool_indices, pb.req_to_token, self.dev_k, self.dev_v)
         if before_fence is not None:
             before_fence()  # stands for the layers after this one (compute the prefetch hides in)
         self.tier.finish_step()
         return out
+
+
+def _rows(pb):
+    return DecodeRows(pb.req_to_token, pb.req_pool_indices, pb.seq_lens)
 
 
 def pb_q_heads(pb):
@@ -157,9 +168,8 @@ def _untiered(pb, q, params, channels, attend_blocks=None, seen=None):
             seen.append(blocks.clone())
 
     return sparse_decode_batched(
-        q, pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens,
-        pb.kmin, pb.kmax, params, 0.3, channels=channels, workspace=ws,
-        on_blocks=on_blocks, attend_blocks=attend_blocks,
+        q, LayerCache(pb.k_buffer, pb.v_buffer, pb.kmin, pb.kmax, channels=channels), _rows(pb),
+        params, 0.3, ws, SelectionInputs(on_blocks=on_blocks, attend_blocks=attend_blocks),
     ).clone()
 
 

@@ -13,7 +13,7 @@ from sglang_ext.attention.mixed_settings import (
     group_rows,
     unsupported_override,
 )
-from sglang_ext.kernels.sparse_decode import sparse_decode_batched
+from sglang_ext.kernels.sparse_decode import DecodeRows, LayerCache, sparse_decode_batched
 from sglang_ext.kernels.testing import case_generator, make_paged_batch, random_values
 from sglang_ext.selection.reference import SelectionParams, sparse_attention_with_lse
 
@@ -43,9 +43,9 @@ def _check_mixed(hq, hkv, head_dim, bs, lens, dtype, tol):
     groups = group_rows(sparsity, DEVICE)
     assert len(groups) == min(len(lens), len(settings))
     mixed = MixedSettingsDecode(hq, hkv, head_dim, pb.max_blocks, DEVICE, dtype)
-    args = (pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens,
-            pb.kmin, pb.kmax, 0.3)
-    out = mixed.decode(groups, q, *args, channels=channels)
+    cache = LayerCache(pb.k_buffer, pb.v_buffer, pb.kmin, pb.kmax, channels=channels)
+    out = mixed.decode(groups, q, cache,
+                       DecodeRows(pb.req_to_token, pb.req_pool_indices, pb.seq_lens), 0.3)
     for b, params in enumerate(sparsity):
         one = slice(b, b + 1)
         if params is None:  # exact attention over the whole context
@@ -54,8 +54,9 @@ def _check_mixed(hq, hkv, head_dim, bs, lens, dtype, tol):
             expected = sparse_attention_with_lse(q[b], keys, pb.values(b), mask, 0.3)[0]
         else:  # the same request decoded alone with its setting
             expected = sparse_decode_batched(
-                q[one], pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices[one],
-                pb.seq_lens[one], pb.kmin, pb.kmax, params, 0.3, channels=channels)[0]
+                q[one], cache,
+                DecodeRows(pb.req_to_token, pb.req_pool_indices[one], pb.seq_lens[one]), params,
+                0.3)[0]
         torch.testing.assert_close(out[b].float(), expected.float(), **tol)
     return out
 
@@ -104,14 +105,16 @@ def test_triton_servers_take_request_settings_they_can_serve(monkeypatch):
     from types import SimpleNamespace
 
     from sglang_ext.config import build_config
-    from sglang_ext.patches import sampling_params, server_args
+    from sglang_ext import runtime
+    from sglang_ext.patches import sampling_params
 
     def arrive(sparse):
         sampling_params._after_verify(None, SimpleNamespace(custom_params={"sparse": sparse}))
 
-    monkeypatch.setattr(server_args, "_active_impl", "triton")
-    monkeypatch.setattr(server_args, "_active_mla", False)
-    monkeypatch.setattr(server_args, "_active", build_config(budget=256, block_size=32))
+    process = runtime.state()
+    monkeypatch.setattr(process, "impl", "triton")
+    monkeypatch.setattr(process, "mla", False)
+    monkeypatch.setattr(process, "config", build_config(budget=256, block_size=32))
     for ok in ({"method": "dense"}, {"method": "quest", "budget": 512},
                {"method": "ds", "budget": 128}, {"candidate_blocks": 40},
                {"block_score": "bound"}, {"method": "two_level", "block_score": "label_max"}):
@@ -121,7 +124,7 @@ def test_triton_servers_take_request_settings_they_can_serve(monkeypatch):
                                                  "reference")):
         with pytest.raises(ValueError, match=why):
             arrive(bad)
-    monkeypatch.setattr(server_args, "_active", build_config(budget=256, block_size=32,
-                                                             guard_every=8))
+    monkeypatch.setattr(process, "config", build_config(budget=256, block_size=32,
+                                                        guard_every=8))
     with pytest.raises(ValueError, match="do not combine with --sparse-guard-every"):
         arrive({"method": "dense"})

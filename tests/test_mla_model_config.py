@@ -130,11 +130,13 @@ def test_label_config_is_checked_against_the_latent_row(mla_config, tmp_path):
 def test_requests_asking_for_what_mla_lacks_get_a_400(monkeypatch):
     """Per-request settings are checked at arrival like the flags (ValueError = a 400)."""
     from sglang_ext.config import build_config
-    from sglang_ext.patches import sampling_params, server_args
+    from sglang_ext import runtime
+    from sglang_ext.patches import sampling_params
 
-    monkeypatch.setattr(server_args, "_active", build_config(budget=256))
-    monkeypatch.setattr(server_args, "_active_impl", "reference")
-    monkeypatch.setattr(server_args, "_active_mla", True)
+    process = runtime.state()
+    monkeypatch.setattr(process, "config", build_config(budget=256))
+    monkeypatch.setattr(process, "impl", "reference")
+    monkeypatch.setattr(process, "mla", True)
     ok = SimpleNamespace(custom_params={"sparse": {"method": "quest", "budget": 512}})
     sampling_params._after_verify(None, ok)
     sampling_params._after_verify(None, SimpleNamespace(custom_params={"sparse": {"method": "dense"}}))

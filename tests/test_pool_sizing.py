@@ -11,7 +11,11 @@ import torch
 from sglang.srt.mem_cache.kv_cache_configurator import _PoolSizes
 
 from sglang_ext.config import build_config
-from sglang_ext.patches.kv_cache_configurator import _around_derive_pool_sizes, side_buffer_share
+from sglang_ext.patches.kv_cache_configurator import (
+    _around_build_mla_kv_pool,
+    _around_derive_pool_sizes,
+    side_buffer_share,
+)
 from sglang_ext.patches.server_args import attach_config
 
 
@@ -95,9 +99,10 @@ def test_tier_sizes_mla_by_the_latent_row_and_builds_the_tiered_mla_pool(monkeyp
     from sglang.srt.configs.model_config import AttentionArch
 
     from sglang_ext.memory_tier.tiered_pool import TieredMLAKVPool
-    from sglang_ext.patches import kv_cache_configurator as hooks
+    from sglang_ext import runtime
 
-    monkeypatch.setattr(hooks, "_layout", None)  # the process's layout, restored afterwards
+    # the process's layout, restored afterwards
+    monkeypatch.setattr(runtime.state(), "tier_layout", None)
     rank, rope, layers, block = 32, 16, 2, 16
     mla = SimpleNamespace(attention_arch=AttentionArch.MLA, kv_lora_rank=rank,
                           qk_rope_head_dim=rope, head_dim=40, v_head_dim=16, context_len=512)
@@ -115,7 +120,7 @@ def test_tier_sizes_mla_by_the_latent_row_and_builds_the_tiered_mla_pool(monkeyp
     profiled = 40_000
     sizes = _around_derive_pool_sizes(lambda self, *, config: _sizes(profiled), configurator,
                                       config=None)
-    layout = hooks._layout
+    layout = runtime.state().tier_layout
     row_bytes = layers * (rank + rope) * 2  # one latent row per layer, bf16
     assert layout.host_tokens == int(host_gb * 1e9) // row_bytes // block * block
     assert sizes.max_total_num_tokens == layout.gpu_tokens + layout.host_tokens
@@ -125,7 +130,7 @@ def test_tier_sizes_mla_by_the_latent_row_and_builds_the_tiered_mla_pool(monkeyp
     def plain(self, *, max_total_num_tokens):  # the hook must not build the plain pool
         raise AssertionError("built the untiered MLA pool")
 
-    pool = hooks._around_build_mla_kv_pool(plain, configurator,
+    pool = _around_build_mla_kv_pool(plain, configurator,
                                            max_total_num_tokens=sizes.max_total_num_tokens)
     assert isinstance(pool, TieredMLAKVPool) and pool.logical_size == sizes.max_total_num_tokens
     assert pool.kv_buffer[0].shape == (layout.device_tokens + block, 1, rank + rope)

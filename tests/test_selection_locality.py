@@ -15,6 +15,7 @@ from sglang_ext.selection.locality import (
     update_eviction_scores,
 )
 from sglang_ext.selection.reference import SelectionParams, select_token_mask
+from fake_backend import FakeReqToTokenPool
 
 PARAMS = SelectionParams("two_level", 64, 4, 10, 8, 16)  # 40 tokens = 10 blocks selected
 
@@ -332,7 +333,7 @@ def test_backend_decodes_per_request_locality_with_its_own_score(tmp_path):
                     [torch.randn(slots, hkv, d, generator=gen) for _ in range(layers)])
     runner = SimpleNamespace(
         device="cpu", token_to_kv_pool=pool, model_runner_dtype=torch.float32,
-        req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(4, 400, dtype=torch.int32)),
+        req_to_token_pool=FakeReqToTokenPool(torch.zeros(4, 400, dtype=torch.int32)),
         model_config=SimpleNamespace(num_hidden_layers=layers, head_dim=d,
                                      get_total_num_kv_heads=lambda: hkv))
     backend = SparseDecodeBackend(runner, cfg)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from cpu_backend import cpu_mha_pool, cpu_sparse_backend
-from sglang_ext.attention.synthetic_kv import ENV, fill_synthetic_kv, unsupported_reason
+from sglang_ext import runtime
+from sglang_ext.attention.synthetic_kv import ENV, fill_synthetic_kv, install, unsupported_reason
 from sglang_ext.kernels.block_summary import allocate_block_summaries, update_block_summaries_ref
 from sglang_ext.kernels.decode_write import FP8_KV
 from sglang_ext.kernels.label_cache import allocate_label_cache, update_label_cache_ref
@@ -18,7 +19,14 @@ HQ, HKV, D, LAYERS, PAGE, PAGES = 4, 2, 16, 2, 4, 12
 CHANNELS = [[[0, 7, 15], [2, 3, 9]], [[1, 4, 5], [6, 8, 10]]]
 
 
+@pytest.fixture(autouse=True)
+def _own_listeners(monkeypatch):
+    """Each test installs the benchmark hook into a process state of its own."""
+    monkeypatch.setattr(runtime.state(), "backend_listeners", [])
+
+
 def _backend(tmp_path, kv_dtype, side_dtype):
+    install()  # what the plugin does in every server process
     pool = cpu_mha_pool(kv_dtype, HKV, D, LAYERS, PAGE, PAGES)
     table = torch.zeros(4, 32, dtype=torch.int32)
     return cpu_sparse_backend(tmp_path, pool, table, HQ, CHANNELS, side_dtype)
@@ -36,13 +44,13 @@ def _assert_summaries_and_labels_match_keys(backend):
         assert keys.float().abs().mean() > 0.5 and values.abs().mean() > 0.5  # not zeros
         loc = torch.arange(keys.shape[0])
         kmin, kmax = allocate_block_summaries(keys.shape[0], HKV, D, PAGE, "cpu",
-                                              backend.summaries.kmin[layer].dtype)
+                                              backend.decoder.summaries.kmin[layer].dtype)
         update_block_summaries_ref(kmin, kmax, keys, loc, PAGE)
-        assert torch.equal(_bytes(backend.summaries.kmin[layer]), _bytes(kmin))
-        assert torch.equal(_bytes(backend.summaries.kmax[layer]), _bytes(kmax))
-        labels = allocate_label_cache(keys.shape[0], HKV, 3, "cpu", backend.labels[layer].dtype)
-        update_label_cache_ref(labels, keys, loc, backend.label_channels[layer])
-        assert torch.equal(_bytes(backend.labels[layer]), _bytes(labels))
+        assert torch.equal(_bytes(backend.decoder.summaries.kmin[layer]), _bytes(kmin))
+        assert torch.equal(_bytes(backend.decoder.summaries.kmax[layer]), _bytes(kmax))
+        labels = allocate_label_cache(keys.shape[0], HKV, 3, "cpu", backend.decoder.labels[layer].dtype)
+        update_label_cache_ref(labels, keys, loc, backend.ctx.files.label_channels[layer])
+        assert torch.equal(_bytes(backend.decoder.labels[layer]), _bytes(labels))
 
 
 @pytest.mark.parametrize("kv_dtype,side_dtype", [(torch.bfloat16, "auto"),
@@ -79,11 +87,14 @@ def test_a_bad_mode_stops_start_up_with_one_line(tmp_path, monkeypatch):
         _backend(tmp_path, torch.bfloat16, "auto")
 
 
-@pytest.mark.parametrize("field,why", [("tiered", "CPU tier"), ("kv_lora_rank", "MLA"),
-                                       ("locality", "locality constraint")])
-def test_pools_it_cannot_fill_are_refused(field, why):
-    backend = SimpleNamespace(tiered=None, kv_lora_rank=None, locality=None)
-    setattr(backend, field, object())
+@pytest.mark.parametrize("field,value,why", [("tiered", object(), "CPU tier"),
+                                             ("kv_lora_rank", 64, "MLA"),
+                                             ("locality_blocks", 2, "locality constraint")])
+def test_pools_it_cannot_fill_are_refused(field, value, why):
+    ctx = SimpleNamespace(tiered=None, kv_lora_rank=None,
+                          config=SimpleNamespace(locality_blocks=0))
+    setattr(ctx.config if field == "locality_blocks" else ctx, field, value)
+    backend = SimpleNamespace(ctx=ctx)
     assert why in unsupported_reason(backend)
     with pytest.raises(ValueError, match=why):
         fill_synthetic_kv(backend)

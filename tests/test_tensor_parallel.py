@@ -56,7 +56,7 @@ def _label_file(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("size", [1, 2, 4])
 def test_each_rank_loads_the_label_channels_of_its_own_kv_heads(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int) -> None:
-    from sglang_ext.attention import sparse_backend
+    from sglang_ext.attention import side_buffers
 
     path = _label_file(tmp_path)
     full = torch.tensor(json.loads(path.read_text())["channels"])
@@ -67,8 +67,8 @@ def test_each_rank_loads_the_label_channels_of_its_own_kv_heads(
     cfg = build_config(label_config=str(path), label_channels=CHANNELS)
     pieces = []
     for rank in range(size):
-        monkeypatch.setattr(sparse_backend, "attn_tp", lambda rank=rank: AttnTP(size, rank))
-        got = sparse_backend.SparseDecodeBackend._load_label_channels(runner, cfg)
+        monkeypatch.setattr(side_buffers, "attn_tp", lambda rank=rank: AttnTP(size, rank))
+        got = side_buffers.ModelFiles.load(runner, cfg).label_channels
         assert got.shape == (LAYERS, KV_HEADS // size, CHANNELS)
         pieces.append(got)
     assert torch.equal(torch.cat(pieces, dim=1), full)

@@ -26,7 +26,14 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang_ext.config import dense_middle_blocks
 from sglang_ext.kernels.block_summary import allocate_block_summaries, update_block_summaries
 from sglang_ext.kernels.locality import LocalityKernelState, update_eviction_page_scores
-from sglang_ext.kernels.sparse_decode import SparseDecodeWorkspace, _selection_plan, sparse_decode_batched
+from sglang_ext.kernels.sparse_decode import (
+    DecodeRows,
+    LayerCache,
+    SelectionInputs,
+    SparseDecodeWorkspace,
+    selection_sizes,
+    sparse_decode_batched,
+)
 from sglang_ext.kernels.testing import case_generator
 from sglang_ext.memory_tier.tiered_pool import TieredKVPool, plan_layout
 from sglang_ext.selection.reference import SelectionParams
@@ -64,7 +71,7 @@ class Run:
         self.rows = list(range(1, len(prompt_lens) + 1))
         self.lens = list(prompt_lens)
         max_context = -(-(max(prompt_lens) + steps + ps) // ps) * ps
-        _, k_blocks, _ = _selection_plan(params, 1 << 30)
+        k_blocks = selection_sizes(params).k_blocks
         pages_per_row = max_context // ps
         layout = plan_layout(
             device_tokens=0, host_tokens=(len(self.rows) * pages_per_row + 4) * ps, page_size=ps,
@@ -148,17 +155,20 @@ class Run:
             tier = pool.tier
             on_blocks, attend = tier.decode_hooks(layer, rpi, r2t, pool.k_buffer[layer],
                                                   pool.v_buffer[layer])
+            rows = DecodeRows(r2t, rpi, seq_lens)
             got = sparse_decode_batched(
-                q, pool.k_buffer[layer], pool.v_buffer[layer], r2t, rpi, seq_lens, kmin, kmax,
-                self.params, 0.25, channels=self.channels, workspace=self.ws_tier,
-                page_map=tier.page_map(layer), on_blocks=on_blocks, attend_blocks=attend,
-                locality=self._locality(0, layer),
+                q, LayerCache(pool.k_buffer[layer], pool.v_buffer[layer], kmin, kmax,
+                              channels=self.channels),
+                rows, self.params, 0.25, self.ws_tier,
+                SelectionInputs(page_map=tier.page_map(layer), on_blocks=on_blocks,
+                                attend_blocks=attend, locality=self._locality(0, layer)),
             ).clone()
             tier.after_layer(layer, rpi, r2t, pool.k_buffer[layer], pool.v_buffer[layer])
             want = sparse_decode_batched(
-                q, self.plain_k[layer], self.plain_v[layer], r2t, rpi, seq_lens, kmin, kmax,
-                self.params, 0.25, channels=self.channels, workspace=self.ws_plain,
-                locality=self._locality(1, layer),
+                q, LayerCache(self.plain_k[layer], self.plain_v[layer], kmin, kmax,
+                              channels=self.channels),
+                rows, self.params, 0.25, self.ws_plain,
+                SelectionInputs(locality=self._locality(1, layer)),
             ).clone()
             outs.append((got, want))
         pool.tier.finish_step()

@@ -33,11 +33,11 @@ from sglang_ext.attention.sparse_backend import SparseDecodeBackend
 from sglang_ext.config import build_config, dense_middle_blocks
 from sglang_ext.kernels.host_gather import gather_host_blocks
 from sglang_ext.kernels.host_scatter import scatter_to_host, scatter_to_host_ref
-from sglang_ext.kernels.sparse_decode import _selection_plan
+from sglang_ext.kernels.sparse_decode import selection_sizes
 from sglang_ext.memory_tier.host_store import HostKVStore
 from sglang_ext.memory_tier.tiered_pool import TieredMLAKVPool, plan_layout
 
-from fake_backend import DecodeMode
+from fake_backend import DecodeMode, FakeReqToTokenPool
 from test_backend_mla import ExtendMode, MhaPrefillDelegate
 
 gpu = pytest.mark.gpu
@@ -176,7 +176,7 @@ class Side:
         if tier == "off":
             self.pool = _mla_pool(logical, dtype, sh)
         else:
-            _, k_blocks, _ = _selection_plan(selection_params(cfg), 1 << 30)
+            k_blocks = selection_sizes(selection_params(cfg)).k_blocks
             layout = plan_layout(
                 device_tokens=0, host_tokens=logical - gpu_tokens, page_size=page,
                 max_running_requests=len(lens), max_prefill_tokens=sum(lens),
@@ -195,7 +195,7 @@ class Side:
         from sglang.srt.configs.model_config import AttentionArch
 
         runner = SimpleNamespace(
-            device=sh.device, req_to_token_pool=SimpleNamespace(req_to_token=self.table),
+            device=sh.device, req_to_token_pool=FakeReqToTokenPool(self.table),
             token_to_kv_pool=self.pool,
             model_config=SimpleNamespace(attention_arch=AttentionArch.MLA, kv_lora_rank=sh.rank,
                                          qk_rope_head_dim=sh.rope, num_hidden_layers=sh.layers,

@@ -14,7 +14,7 @@ def _workspace(tmp_path):
     pool = cpu_mha_pool(torch.bfloat16, 2, 16, 1, 4, 8)
     backend = cpu_sparse_backend(tmp_path, pool, torch.zeros(4, 32, dtype=torch.int32), 4,
                                  CHANNELS, "auto")
-    ws = backend._ensure_workspace(2)
+    ws = backend.decoder.workspace(2)
     return ws.block_topk_radix_bits, ws.token_topk_radix_bits
 
 

@@ -5,9 +5,10 @@
 # Usage: bash benchmarks/device/run.sh COMMIT STEP...
 #   steps: env fi-warmup fi-wait fi-pack gputests clock operator rerank-operator mla-operator sparse-attention
 #   tier fluxion transfer server e2e soak capacity locality profile tp2-greedy mla-e2e pack-logs
-#   gguf-part smollm2 fidelity
+#   gguf-part smollm2 fidelity refactor
 #   (tp2-greedy: on nvidia-h200-x2; real weights: gguf-part in consecutive warm calls, then
-#   smollm2 and fidelity, see ../shared/gpu/README.md)
+#   smollm2 and fidelity, see ../shared/gpu/README.md; refactor: carry .before from
+#   benchmarks/device/export_before.sh)
 # gputests: GPUTESTS_K (a pytest -k expression), GPUTESTS_ARGS (more pytest words), GPUTESTS_SECONDS
 # operator, server and fidelity run benchmarks/run.py (what the Makefile's bench-* targets call).
 # Wheels in .whl/ (carried, git-ignored; e.g. prometheus_client for --enable-metrics, which the
@@ -21,6 +22,7 @@ suite() {  # a step's folder under benchmarks/results/ (benchmarks/results_io.py
     sparse-attention) echo kernels ;;
     tier|fluxion|transfer|locality) echo "$1" ;;
     fidelity) echo accuracy ;;
+    refactor) echo refactor ;;
     gputests|clock) echo gputests ;;
     *) echo serving ;;
   esac
@@ -214,6 +216,15 @@ for step in "$@"; do
       # benchmarks/results/accuracy/ (FIDELITY_ARGS: more gpu_suite flags).
       python3 -m benchmarks.run accuracy --out "$OUT" --model-dir /tmp/smollm2 \
         ${FIDELITY_ARGS:-} || status=1 ;;
+    refactor)
+      # Issue 40: the tree before the refactor (.before/, benchmarks/device/export_before.sh,
+      # carried) against this one, same call, each from its own site under /tmp: the operator
+      # at 128k x 32 (block 32), then a 32k serving pair whose servers first answer a fixed
+      # greedy set (benchmarks/refactor_compare.py). Both parts need about 10 minutes: run
+      # REFACTOR_PARTS=operator, then REFACTOR_PARTS=serving in the next (warm) call, whose
+      # file then holds both (REFACTOR_ARGS: more flags).
+      python3 benchmarks/refactor_compare.py --out "$OUT" --parts ${REFACTOR_PARTS:-operator serving} \
+        ${REFACTOR_ARGS:-} || status=1 ;;
     fi-warmup)
       # FlashInfer JIT-compiles its kernels at a server's first start (~5 min on a fresh
       # machine). The cache (~/.cache/flashinfer) outlives the call while the machine is held,

@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from sglang_ext.kernels.sparse_decode import DecodeRows, LayerCache
 from sglang_ext.selection import SelectionParams
 
 # Which per-request settings the batched decode serves; the others need the reference decode
@@ -100,27 +101,27 @@ class MixedSettingsDecode:
             self._workspaces[params] = ws
         return ws
 
-    def decode(self, groups: Sequence[RowGroup], q: Tensor, k_buffer: Tensor, v_buffer: Tensor,
-               req_to_token: Tensor, req_pool_indices: Tensor, seq_lens: Tensor,
-               kmin: Optional[Tensor], kmax: Optional[Tensor], sm_scale: float,
-               channels: Optional[Tensor] = None, labels: Optional[Tensor] = None,
-               k_scale: float = 1.0, v_scale: float = 1.0) -> Tensor:
+    def decode(self, groups: Sequence[RowGroup], q: Tensor, cache: LayerCache, rows: DecodeRows,
+               sm_scale: float) -> Tensor:
         """``[B, Hq, Dv]``: each group's rows decoded with its setting."""
         from sglang_ext.kernels.sparse_attention import sparse_attention_batched
         from sglang_ext.kernels.sparse_decode import sparse_decode_batched
 
+        k_buffer, v_buffer = cache.k_buffer, cache.v_buffer
         out = q.new_empty(q.shape[0], q.shape[1], v_buffer.shape[2])
         for group in groups:
-            rows = group.rows
-            q_g, pool_rows, lens = q[rows], req_pool_indices[rows], seq_lens[rows]
+            index = group.rows
+            group_rows_ = DecodeRows(rows.req_to_token, rows.req_pool_indices[index],
+                                     rows.seq_lens[index])
+            q_g = q[index]
             if group.params is None:
-                slots = dense_slots(req_to_token, pool_rows, lens, k_buffer.shape[1])
-                out[rows], _ = sparse_attention_batched(q_g, k_buffer, v_buffer, slots, sm_scale,
-                                                        k_scale=k_scale, v_scale=v_scale)
+                slots = dense_slots(rows.req_to_token, group_rows_.req_pool_indices,
+                                    group_rows_.seq_lens, k_buffer.shape[1])
+                out[index], _ = sparse_attention_batched(q_g, k_buffer, v_buffer, slots,
+                                                         sm_scale, k_scale=cache.k_scale,
+                                                         v_scale=cache.v_scale)
                 continue
-            out[rows] = sparse_decode_batched(
-                q_g, k_buffer, v_buffer, req_to_token, pool_rows, lens, kmin, kmax,
-                group.params, sm_scale, channels=channels,
-                workspace=self.workspace(group.params, rows.numel()),
-                labels=labels, k_scale=k_scale, v_scale=v_scale)
+            out[index] = sparse_decode_batched(
+                q_g, cache, group_rows_, group.params, sm_scale,
+                workspace=self.workspace(group.params, index.numel()))
         return out

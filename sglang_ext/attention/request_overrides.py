@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional
 
+from sglang_ext import runtime
 from sglang_ext.config import ConfigError, SparseConfig, build_config
 from sglang_ext.selection import SelectionParams
 
@@ -104,68 +105,54 @@ def parse_override(custom_params: Optional[Mapping[str, Any]], base: SparseConfi
         raise ValueError(f"custom_params.{OVERRIDE_KEY}: {e}") from None
 
 
-_TABLE_ATTR = "_sglang_ext_sparsity"
+@dataclasses.dataclass
+class RowTables:
+    """Per request row of one request-to-token pool: its settings, whether they differ from the
+    server's, and the decode's per-row state (e.g. the locality constraint's)."""
+
+    sparsity: dict[int, RequestSparsity] = dataclasses.field(default_factory=dict)
+    overriding: set[int] = dataclasses.field(default_factory=set)
+    state: dict[int, Any] = dataclasses.field(default_factory=dict)
+
+
+def _tables(req_to_token_pool: Any) -> RowTables:
+    # keyed by the pool itself (weakly): the tables go with it, nothing is set on it
+    return runtime.state().side_table(req_to_token_pool, RowTables)
 
 
 def record(req_to_token_pool: Any, reqs: list, base: SparseConfig) -> None:
     """Remember each request's sparsity under its row (called when rows are handed out)."""
-    table = _table(req_to_token_pool)
-    overriding = _overriding_rows(req_to_token_pool)
+    tables = _tables(req_to_token_pool)
     server_default = selection_params(base)
     for req in reqs:
         if req.req_pool_idx is not None:
             sparsity = parse_override(req.sampling_params.custom_params, base)
-            table[req.req_pool_idx] = sparsity
+            tables.sparsity[req.req_pool_idx] = sparsity
             if sparsity != server_default:
-                overriding.add(req.req_pool_idx)
+                tables.overriding.add(req.req_pool_idx)
             else:
-                overriding.discard(req.req_pool_idx)
+                tables.overriding.discard(req.req_pool_idx)
 
 
 def forget(req_to_token_pool: Any, row: Optional[int]) -> None:
     if row is not None:
-        _table(req_to_token_pool).pop(row, None)
-        _overriding_rows(req_to_token_pool).discard(row)
-        row_state(req_to_token_pool).pop(row, None)
+        tables = _tables(req_to_token_pool)
+        tables.sparsity.pop(row, None)
+        tables.overriding.discard(row)
+        tables.state.pop(row, None)
 
 
 def has_overriding_rows(req_to_token_pool: Any) -> bool:
     """Whether a request that decodes with other settings than the server's holds a row (the
     batched decode then runs eagerly, in groups: attention/mixed_settings.py)."""
-    return bool(_overriding_rows(req_to_token_pool))
-
-
-_OVERRIDING_ATTR = "_sglang_ext_overriding_rows"
-
-
-def _overriding_rows(req_to_token_pool: Any) -> set[int]:
-    rows = getattr(req_to_token_pool, _OVERRIDING_ATTR, None)
-    if rows is None:
-        rows = set()
-        setattr(req_to_token_pool, _OVERRIDING_ATTR, rows)
-    return rows
-
-
-_STATE_ATTR = "_sglang_ext_row_state"
+    return bool(_tables(req_to_token_pool).overriding)
 
 
 def row_state(req_to_token_pool: Any) -> dict[int, Any]:
     """Per-row decode state of the backend (e.g. the locality constraint's), dropped with the
     row's sparse settings when the request leaves."""
-    table = getattr(req_to_token_pool, _STATE_ATTR, None)
-    if table is None:
-        table = {}
-        setattr(req_to_token_pool, _STATE_ATTR, table)
-    return table
+    return _tables(req_to_token_pool).state
 
 
 def lookup(req_to_token_pool: Any, row: int, default: SelectionParams) -> RequestSparsity:
-    return _table(req_to_token_pool).get(row, default)
-
-
-def _table(req_to_token_pool: Any) -> dict[int, RequestSparsity]:
-    table = getattr(req_to_token_pool, _TABLE_ATTR, None)
-    if table is None:
-        table = {}
-        setattr(req_to_token_pool, _TABLE_ATTR, table)
-    return table
+    return _tables(req_to_token_pool).sparsity.get(row, default)

@@ -8,7 +8,8 @@ costs the same whatever it reads; our selection does not: zero keys give every b
 the same score, and the radix top-k (kernels/topk.py) runs all of its passes on ties, which no
 real prompt produces.
 
-With ``SGLANG_EXT_SYNTHETIC_KV=random`` in the server's environment, our backend fills every
+With ``SGLANG_EXT_SYNTHETIC_KV=random`` in the server's environment, the plugin installs a
+benchmark hook (:func:`install`) that fills every
 KV slot of every layer with seeded standard-normal keys and values once at start-up (as stored:
 rounded to the cache's dtype), and builds their page summaries and label cache from those keys,
 as a prefill would have. The selection then ranks keys with a real spread. For benchmarks only:
@@ -40,13 +41,25 @@ def synthetic_kv_mode() -> str:
     return mode
 
 
+def install() -> None:
+    """The benchmark hook (plugin.py, every process): with ``SGLANG_EXT_SYNTHETIC_KV=random``,
+    fill each sparse backend's pool once it is built. A bad value stops start-up."""
+    if synthetic_kv_mode() == "random":
+        from sglang_ext import runtime
+
+        listeners = runtime.state().backend_listeners
+        if fill_synthetic_kv not in listeners:
+            listeners.append(fill_synthetic_kv)
+
+
 def unsupported_reason(backend: Any) -> str | None:
     """Why this backend's pool cannot be filled (None: it can)."""
-    if backend.tiered is not None:
+    ctx = backend.ctx
+    if ctx.tiered is not None:
         return "the CPU tier (--sparse-tier)"
-    if backend.kv_lora_rank is not None:
+    if ctx.kv_lora_rank is not None:
         return "MLA models (a latent KV pool)"
-    if backend.locality is not None:
+    if ctx.config.locality_blocks > 0:
         return "the locality constraint (its page eviction scores)"
     return None
 
@@ -63,6 +76,9 @@ def fill_synthetic_kv(backend: Any, seed: int = SEED, chunk_tokens: int = CHUNK_
         raise ValueError(f"sglang_ext: {ENV}=random does not support {reason}")
     pool = backend.token_to_kv_pool
     page = backend.config.block_size
+    # the batched decode's side buffers (the reference decode keeps none)
+    summaries = getattr(backend.decoder, "summaries", None)
+    labels = getattr(backend.decoder, "labels", None)
     chunk_tokens = max(page, chunk_tokens // page * page)
     generator = torch.Generator(device=backend.device).manual_seed(seed)
     dtype = torch.bfloat16 if backend.model_runner.dtype == torch.bfloat16 else torch.float16
@@ -80,15 +96,15 @@ def fill_synthetic_kv(backend: Any, seed: int = SEED, chunk_tokens: int = CHUNK_
                                  device=backend.device, dtype=dtype)
             k_buf[start:end].copy_(keys)
             v_buf[start:end].copy_(values)
-            if backend.summaries is None and backend.labels is None:
+            if summaries is None and labels is None:
                 continue
             stored = k_buf[start:end].to(dtype)
             loc = torch.arange(start, end, device=backend.device, dtype=torch.int64)
-            if backend.summaries is not None:
-                backend.summaries.update(index, stored, loc)
-            if backend.labels is not None:
-                update_label_cache(backend.labels[index], stored, loc,
-                                   backend.label_channels[layer_id])
+            if summaries is not None:
+                summaries.update(index, stored, loc)
+            if labels is not None:
+                update_label_cache(labels[index], stored, loc,
+                                   backend.ctx.files.label_channels[layer_id])
     if torch.device(backend.device).type == "cuda":
         torch.cuda.empty_cache()  # the chunks' transient GBs go back before CUDA graphs capture
     logger.info("sglang_ext: %s=random filled %d KV slots x %d layers with random keys and "

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import Tensor
@@ -45,6 +45,9 @@ from sglang_ext.selection.reference import (
     sparse_attention,
     sparse_attention_with_lse,
 )
+
+if TYPE_CHECKING:
+    from sglang_ext.kernels.sparse_decode import DecodeRows, LayerCache
 
 logger = logging.getLogger(__name__)
 
@@ -149,21 +152,24 @@ class CooperativeTier:
         self.stats["coop_device_miss_blocks"] += int((device_misses >= 0).sum())
         return out.to(q.dtype)
 
-    def attend_kernels(self, tier: Any, layer: int, q: Tensor, k_buffer: Tensor,
-                       v_buffer: Tensor, req_to_token: Tensor, req_pool_indices: Tensor,
-                       seq_lens: Tensor, kmin: Tensor, kmax: Tensor, params: Any,
-                       scaling: float, channels: Optional[Tensor], workspace: Any,
+    def attend_kernels(self, tier: Any, layer: int, q: Tensor, cache: LayerCache,
+                       rows: DecodeRows, params: Any, scaling: float, workspace: Any,
                        locality: Optional[Any] = None) -> Tensor:
         """The batched decode's layer (``--sparse-impl triton``, sync tier, eager): the block
         filter's choice is split when it is made; the misses the scheduler leaves to the device
         are fetched, the CPU's are not (two_level: the CPU scores their tokens for the token
         stage); the device attends the slots it holds, the CPU the selected tokens of its
         blocks (``positions`` whose block is not resident), and the two merge. ``tier`` is the
-        pool's :class:`WorkingSetTier`; the rest as :func:`sparse_decode_batched`. Returns
+        pool's :class:`WorkingSetTier`; ``cache`` (:class:`LayerCache`: the layer's keys,
+        values, summaries and channels; its labels are not read with the tier's page map) and
+        ``rows`` (:class:`DecodeRows`) and the rest as :func:`sparse_decode_batched`. Returns
         ``[B, Hq, Dv]`` in q's dtype."""
         from sglang_ext.kernels.sparse_attention import sparse_attention_batched
-        from sglang_ext.kernels.sparse_decode import select_slots_batched
+        from sglang_ext.kernels.sparse_decode import SelectionInputs, select_slots_batched
 
+        k_buffer, v_buffer, channels = cache.k_buffer, cache.v_buffer, cache.channels
+        req_to_token, req_pool_indices, seq_lens = (rows.req_to_token, rows.req_pool_indices,
+                                                    rows.seq_lens)
         batch = q.shape[0]
         num_kv_heads = k_buffer.shape[1]
         scheduler = self._ensure_scheduler(q.shape[1] // num_kv_heads, scaling)
@@ -189,9 +195,10 @@ class CooperativeTier:
                                        else workspace.block_scores[:batch])
 
         slots, positions = select_slots_batched(
-            q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, kmax, params,
-            channels=channels, workspace=workspace, return_positions=True, page_map=page_map,
-            on_blocks=on_blocks, locality=locality, on_token_scores=on_token_scores)
+            q, cache, rows, params, workspace,
+            SelectionInputs(page_map=page_map, on_blocks=on_blocks, locality=locality,
+                            on_token_scores=on_token_scores),
+            return_positions=True)
         attend = dict(num_splits=workspace._splits_for(batch), lse=workspace.lse[:batch],
                       partial_o=workspace.partial_o[:batch],
                       partial_lse=workspace.partial_lse[:batch])
@@ -204,8 +211,9 @@ class CooperativeTier:
         # The CPU's tokens: selected positions the device does not hold (its blocks only:
         # every other miss was fetched above).
         cpu_tok = (positions >= 0) & (slots < 0)
-        rows = req_pool_indices.long()[:, None, None]
-        host_slots = req_to_token[rows, positions.long().clamp(min=0)].long() - self.gpu_tokens
+        row_index = req_pool_indices.long()[:, None, None]
+        host_slots = (req_to_token[row_index, positions.long().clamp(min=0)].long()
+                      - self.gpu_tokens)
         tokens = torch.where(cpu_tok, host_slots, torch.full_like(host_slots, -1)).cpu()
         future = self.workers.submit_tokens(q.cpu(), self.host.k[layer], self.host.v[layer],
                                             tokens, plan, scaling)
