@@ -58,6 +58,14 @@ class SparseConfig:
     tier_host_gb: float = 0.0  # 0 = auto: half of the host memory available at start-up
     tier_gpu_tokens: int = 0  # 0 = auto: what the GPU holds after the working area
     tier_timing: str = "off"  # stream-clock timing of the tier's transfers: see ON_OFF
+    # The tier admission's PCIe term (memory_tier/transfer_budget.py): a step may move
+    # tier_pcie_gbps x tier_step_ms. On the H200 (PCIe 5 x16) the tier's gather moved 55.6 GB/s
+    # contiguous and ~51 GB/s of random 4 KiB blocks beside a decode attention
+    # (kernels/host_gather.py): 45 leaves a margin. The tier's decode steps at 128k took 18 ms
+    # (2 requests) to 24 ms (8 requests) there. Off by default until measured on the GPU: without
+    # the locality limit a 128k request is predicted at its whole block budget per step.
+    tier_pcie_gbps: float = 0.0  # 0 = no PCIe term; 45 on an H200
+    tier_step_ms: float = 20.0
     locality_blocks: int = 0  # NOSA k_e: query-agnostic blocks per kv head (0 = off)
     locality_new_blocks: int = 0  # query-aware blocks admitted per step from outside the last filter
     eviction_score: str = "attention"  # see EVICTION_SCORES
@@ -204,6 +212,17 @@ _FLAGS: tuple[tuple[str, str, str, str], ...] = (
     ("tier_gpu_tokens", "--sparse-tier-gpu-tokens", "TOKENS",
      "KV slots homed on the GPU with the tier on (0 = all the GPU holds beside the tier's "
      "working area); a small value forces requests onto the host (tests)."),
+    ("tier_pcie_gbps", "--sparse-tier-pcie-gbps", "GBPS",
+     "The CPU tier admission's PCIe term: host->GPU rate (GB/s, 1e9 bytes) the tier's transfers "
+     "may use. A request whose KV lives on the host is admitted into decode only while the "
+     "transfers predicted per step for the running host-homed requests (per request: "
+     "--sparse-locality-new-blocks + 1 blocks per layer and kv head, or its whole block budget "
+     "without that limit) fit in GBPS x --sparse-tier-step-ms; otherwise it waits in the queue "
+     "(a lone request always runs). 0 (the default) = no PCIe term; ~45 suits an H200's PCIe 5 "
+     "x16."),
+    ("tier_step_ms", "--sparse-tier-step-ms", "MS",
+     "The decode step time (milliseconds) the tier's per-step transfers must fit in, for the "
+     "PCIe term of --sparse-tier-pcie-gbps."),
     ("tier_timing", "--sparse-tier-timing", "{off,on}",
      "Time the tier's transfers on the GPU's own clock, inside the decode CUDA graph (a few "
      "tiny kernels per layer): transfer seconds, the part the step waited for, and the hidden "
@@ -401,6 +420,10 @@ def _validate(cfg: SparseConfig) -> None:
             )
     if cfg.tier_gpu_tokens < 0:
         fail("tier_gpu_tokens", "must be >= 0 (0 = auto)")
+    if cfg.tier_pcie_gbps < 0:
+        fail("tier_pcie_gbps", "must be >= 0 (0 = no PCIe term)")
+    if cfg.tier_step_ms <= 0:
+        fail("tier_step_ms", "must be > 0")
     if cfg.tier_timing not in ON_OFF:
         fail("tier_timing", f"must be one of {', '.join(ON_OFF)}")
     if cfg.tier_timing == "on" and cfg.tier == "off":

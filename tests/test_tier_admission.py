@@ -18,7 +18,8 @@ import pytest
 import torch
 from sglang.srt.managers.schedule_policy import AddReqResult
 
-from sglang_ext.memory_tier import tiered_pool
+from fake_backend import FakeReq
+from sglang_ext import runtime
 from sglang_ext.memory_tier.tiered_pool import TieredKVPool, plan_layout
 from sglang_ext.patches import scheduler as sched
 
@@ -42,7 +43,7 @@ def _pool() -> tuple[TieredKVPool, torch.Tensor]:
 
 
 def _req(r2t: torch.Tensor, row: int, prefix: int) -> SimpleNamespace:
-    return SimpleNamespace(prefix_indices=r2t[row, :prefix].long(),
+    return FakeReq(prefix_indices=r2t[row, :prefix].long(),
                            origin_input_ids=list(range(PROMPT)), output_ids=[])
 
 
@@ -72,27 +73,27 @@ def test_without_admission_a_host_prefix_beside_a_long_prompt_overflows_the_scra
 
 def test_admission_holds_the_second_prompt_until_the_first_ones_is_done(monkeypatch):
     pool, r2t = _pool()
-    monkeypatch.setattr(tiered_pool, "_active", pool)
+    monkeypatch.setattr(runtime.state(), "tier_pool", pool)
     a, b = _req(r2t, 1, 0), _req(r2t, 2, 48)
     # in one round, A is admitted on the idle pool and B is not: the adder counts A's claim
     adder = _Adder()
     assert _admit(adder, a) == AddReqResult.CONTINUE
-    assert getattr(adder, sched._CLAIMED) == pool.admission_need(PROMPT)
+    assert sched.claims_of(adder).pages == pool.admission_need(PROMPT)
     assert _admit(adder, b) == AddReqResult.OTHER and adder.can_run_list == [a]
     # while A is chunk-prefilled (16 of its tokens done), B still waits; refusing touches nothing
     pool.prepare_extend(r2t, [1], [16], [0])
-    monkeypatch.setattr(sched, "_chunked_req", a)
+    monkeypatch.setattr(runtime.state(), "chunked_req", a)
     free_before = pool.work.available
     assert _admit(_Adder(), b) == AddReqResult.OTHER
     assert pool.work.available == free_before
     # A's prompt is done (it has not decoded yet): B fits, and everything it takes is there
-    monkeypatch.setattr(sched, "_chunked_req", None)
+    monkeypatch.setattr(runtime.state(), "chunked_req", None)
     pool.prepare_extend(r2t, [1], [PROMPT], [16])
     assert _admit(_Adder(), b) == AddReqResult.CONTINUE
     pool.prepare_extend(r2t, [2], [PROMPT], [48])
     pool.start_decoding(r2t, 2)
     # two requests hold or will hold a working set: a third waits for the working area
-    short = SimpleNamespace(prefix_indices=r2t[2, :0].long(), origin_input_ids=[0] * 4,
+    short = FakeReq(prefix_indices=r2t[2, :0].long(), origin_input_ids=[0] * 4,
                             output_ids=[])
     assert pool.admission_room()[1] < pool.admission_need(4)[1]
     assert _admit(_Adder(), short) == AddReqResult.OTHER
@@ -107,13 +108,13 @@ def test_the_chunk_prefilled_requests_prompt_is_reserved(monkeypatch):
     batch until its prompt is done: its whole prompt is reserved in the scratch, so a short
     request fits beside it and a long one does not."""
     pool, r2t = _pool()
-    monkeypatch.setattr(tiered_pool, "_active", pool)
+    monkeypatch.setattr(runtime.state(), "tier_pool", pool)
     chunked = _req(r2t, 1, 16)  # 16 of its 64 tokens prefilled
     pool.prepare_extend(r2t, [1], [16], [0])
     room = pool.admission_room()
     assert pool.admission_room(PROMPT)[0] == room[0] - PROMPT // PS - 1
-    monkeypatch.setattr(sched, "_chunked_req", chunked)
-    short = SimpleNamespace(prefix_indices=r2t[2, :0].long(), origin_input_ids=[0] * 4,
+    monkeypatch.setattr(runtime.state(), "chunked_req", chunked)
+    short = FakeReq(prefix_indices=r2t[2, :0].long(), origin_input_ids=[0] * 4,
                             output_ids=[])
     assert pool.admission_need(4)[0] <= pool.admission_room(PROMPT)[0]
     assert _admit(_Adder(), short) == AddReqResult.CONTINUE
@@ -123,7 +124,7 @@ def test_the_chunk_prefilled_requests_prompt_is_reserved(monkeypatch):
 
 
 def test_the_hook_is_inert_without_a_tier(monkeypatch):
-    monkeypatch.setattr(tiered_pool, "_active", None)
+    monkeypatch.setattr(runtime.state(), "tier_pool", None)
     adder = _Adder()
-    req = SimpleNamespace(prefix_indices=torch.zeros(0), origin_input_ids=[1], output_ids=[])
-    assert _admit(adder, req) == AddReqResult.CONTINUE and not hasattr(adder, sched._CLAIMED)
+    req = FakeReq(prefix_indices=torch.zeros(0), origin_input_ids=[1], output_ids=[])
+    assert _admit(adder, req) == AddReqResult.CONTINUE and adder not in runtime.state().side_tables

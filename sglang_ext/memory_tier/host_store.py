@@ -11,11 +11,31 @@ from sglang_ext.kernels.host_gather import gather_host_blocks, pinned_empty
 from sglang_ext.kernels.host_scatter import scatter_to_host
 
 
+def same_bytes(a: torch.dtype, b: torch.dtype) -> bool:
+    """Whether rows of ``a`` and ``b`` are the same bytes: equal dtypes, or an 8-bit float and
+    the ``uint8`` SGLang stores it as (``MHATokenToKVPool.store_dtype``)."""
+    return a == b or (torch.uint8 in (a, b) and a.itemsize == b.itemsize)
+
+
+def as_stored(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` as ``dtype``: the same bytes reinterpreted where :func:`same_bytes` (a view:
+    writes through it land in ``x``), else a numeric cast (a copy)."""
+    if x.dtype == dtype:
+        return x
+    if same_bytes(x.dtype, dtype):
+        return x.view(dtype)
+    return x.to(dtype)
+
+
 class HostKVStore:
     """K and V of every logical KV slot, per layer ``[Hkv, num_slots, D]`` in host memory
     (pinned when CUDA is available): block ``p`` of kv head ``h`` is the contiguous run
     ``[h, p*page_size : (p+1)*page_size]`` (4 KiB for 16 tokens x 128 dims x bf16), which is
     what a per-head transfer moves.
+
+    ``dtype`` is the KV cache's (an fp8 cache keeps one byte per value on the host too, so host
+    bytes and PCIe bytes per token halve); device rows stored as ``uint8`` (SGLang's storage of
+    fp8) are read and written as the same bytes (:func:`as_stored`).
 
     ``v_head_dim == 0`` stores K alone (``v`` is None): an MLA pool's one latent row per token
     (``R + P`` dims, one "kv head") is both its key and, as the view ``[..., :R]``, its value,
@@ -47,9 +67,9 @@ class HostKVStore:
             if x.device.type == "cpu":
                 loc_ = loc.long()
                 keep = loc_ >= 0
-                host[:, loc_[keep]] = x[keep].transpose(0, 1).to(host.dtype)
+                host[:, loc_[keep]] = as_stored(x[keep], host.dtype).transpose(0, 1)
             else:
-                scatter_to_host(x.contiguous(), host, loc)
+                scatter_to_host(as_stored(x, host.dtype).contiguous(), host, loc)
 
     def load(self, layer: int, heads: Tensor, src_pages: Tensor, dst_pages: Tensor,
              k_buffer: Tensor, v_buffer: Optional[Tensor] = None,
@@ -67,12 +87,15 @@ class HostKVStore:
             dst_tok = (d[:, None] * self.page_size + offs).reshape(-1)
             hh = h[:, None].expand(-1, self.page_size).reshape(-1)
             for host, dev in zip(self.buffers(layer), (k_buffer, v_buffer)):
-                dev[dst_tok, hh] = host[hh, src_tok].to(dev.dtype)
+                target = as_stored(dev, host.dtype) if same_bytes(dev.dtype, host.dtype) else dev
+                target[dst_tok, hh] = host[hh, src_tok].to(target.dtype)
             return
         has_v = self.v is not None
-        gather_host_blocks(self.k[layer], k_buffer, heads, src_pages, dst_pages, self.page_size,
+        gather_host_blocks(self.k[layer], as_stored(k_buffer, self.k[layer].dtype), heads,
+                           src_pages, dst_pages, self.page_size,
                            host_v=self.v[layer] if has_v else None,
-                           dev_v=v_buffer if has_v else None, max_programs=max_programs)
+                           dev_v=as_stored(v_buffer, self.v[layer].dtype) if has_v else None,
+                           max_programs=max_programs)
 
     def read_tokens(self, layer: int, slots: Tensor) -> tuple[Tensor, Optional[Tensor]]:
         """``[n, Hkv, D]`` K and V (None when not stored) of logical slots (tests, debugging)."""

@@ -61,6 +61,23 @@ class TierMetrics:
                                            "before the device)"),
         }
         self._last_coop = dict.fromkeys(self.coop, 0)
+        # the admission's PCIe term (memory_tier/transfer_budget.py, patches/scheduler.py)
+        self.bytes_per_step = Gauge(p + "bytes_per_step",
+                                    "Measured bytes fetched per decode step (cumulative mean)",
+                                    multiprocess_mode="mostrecent")
+        self.predicted_bytes_per_step = Gauge(
+            p + "predicted_bytes_per_step",
+            "The PCIe term's predicted bytes per decode step over the same steps (a bound)",
+            multiprocess_mode="mostrecent")
+        self.predicted_bytes_now = Gauge(
+            p + "predicted_bytes_per_step_now",
+            "Predicted bytes per step of the requests decoding now", multiprocess_mode="mostrecent")
+        self.step_budget = Gauge(p + "step_budget_bytes",
+                                 "Bytes a decode step may move (PCIe rate x step time; 0 = no "
+                                 "PCIe term)", multiprocess_mode="mostrecent")
+        self.pcie_holds = Counter(p + "pcie_held_requests",
+                                  "Requests the PCIe term kept in the queue for a while")
+        self._last_holds = 0
         self.waiting = Gauge(p + "requests_waiting_for_space",
                              "Queued requests whose prompt does not fit in the free KV slots "
                              "(GPU + host tier, radix-evictable included)",
@@ -82,6 +99,13 @@ class TierMetrics:
             self._last_times = (transfer, exposed)
             if occupancy["hidden_fraction"] is not None:
                 self.hidden_fraction.set(occupancy["hidden_fraction"])
+        if "predicted_bytes_per_step" in occupancy:
+            self.bytes_per_step.set(occupancy["bytes_per_step"])
+            self.predicted_bytes_per_step.set(occupancy["predicted_bytes_per_step"])
+            self.predicted_bytes_now.set(occupancy["predicted_bytes_per_step_now"])
+            self.step_budget.set(occupancy["step_budget_bytes"])
+            self.pcie_holds.inc(max(occupancy["pcie_holds"] - self._last_holds, 0))
+            self._last_holds = occupancy["pcie_holds"]
         for key, counter in self.coop.items():
             if key in occupancy:
                 counter.inc(max(occupancy[key] - self._last_coop[key], 0))

@@ -53,17 +53,23 @@ from torch import Tensor
 
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, unwrap_write_loc
 
+from sglang_ext import runtime
 from sglang_ext.config import tier_ring_pages
-from sglang_ext.memory_tier.host_store import HostKVStore
+from sglang_ext.memory_tier.host_store import HostKVStore, as_stored
+from sglang_ext.memory_tier.transfer_budget import (
+    TransferBudget,
+    blocks_per_step,
+    request_bytes_per_step,
+    step_budget_bytes,
+)
 from sglang_ext.memory_tier.working_set import WorkingSetTier
 
 logger = logging.getLogger(__name__)
 
-_active: Optional["TieredPool"] = None  # this process's tiered pool, once bound
-
 
 def active_pool() -> Optional["TieredPool"]:
-    return _active
+    """This process's tiered pool, once the backend has bound it."""
+    return runtime.state().tier_pool
 
 
 def verify_level() -> int:
@@ -189,6 +195,7 @@ class RowState:
     slots: list[int] = field(default_factory=list)  # working-set pages
     written: int = 0  # tokens whose KV has been written (the prompt, once prefill is done)
     decoding: bool = False
+    on_host: Optional[bool] = None  # a page of its prompt is host-homed (None: none seen yet)
 
 
 class TieredPool:
@@ -204,7 +211,8 @@ class TieredPool:
     # Set by the pool class (SGLang's KVCache).
     layer_num: int
     start_layer: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the KV dtype
+    store_dtype: torch.dtype  # what the device buffers hold (uint8 for an fp8 KV dtype)
     device: Any
 
     def __init__(self, *args: Any, layout: TierLayout, mode: str,
@@ -244,6 +252,7 @@ class TieredPool:
         self.gather_programs = gather_programs
         ps = layout.page_size
         self.logical_size = layout.logical_tokens
+        # The host copy holds rows of the KV dtype (one byte per value for an fp8 cache).
         self.host = HostKVStore(
             self.layer_num, num_kv_heads, key_dim, value_dim, max(layout.host_tokens, ps), ps,
             self.dtype,
@@ -266,16 +275,23 @@ class TieredPool:
         # SGLANG_EXT_TIER_VERIFY (tests): 1 = check for leaks whenever the last request leaves;
         # 2 = also check every mapped device copy against its home at every decode step (slow).
         self.verify = verify_level()
+        # The admission's PCIe term (transfer_budget.py): set from the server's config when
+        # first asked (configure_transfers); per row, the admission's prediction.
+        self.transfers: Optional[TransferBudget] = None
+        self.transfer_new_blocks = 0  # --sparse-locality-new-blocks: bounds a step's fetches
+        self._admitted: dict[int, tuple[int, int]] = {}  # row -> (predicted, bound) bytes/step
+        self.pcie_holds = 0  # requests the PCIe term kept in the queue (each counted once)
+        self.decode_steps = 0
+        self.predicted_bytes = 0  # sum over decode steps of the running rows' prediction
         logger.info("sglang_ext CPU tier: %s; host store %.2f GB (%s mode)", layout.describe(),
                     self.host.nbytes / 1e9, mode)
 
     def bind(self, req_to_token: Tensor) -> None:
         """Allocate the per-row tables once the request table exists (the attention backend
         calls this; SGLang builds the KV pool before it knows the rows)."""
-        global _active
         if self.tier is not None:
             return
-        _active = self
+        runtime.state().tier_pool = self
         rows, max_context = req_to_token.shape
         ps = self.layout.page_size
         dev = self.device
@@ -315,27 +331,41 @@ class TieredPool:
         return torch.where(loc >= g, loc - g, torch.full_like(loc, -1))
 
     def set_kv_buffer(self, layer: Any, loc_info: Any, cache_k: Tensor, cache_v: Any,
-                      *args: Any, **kwargs: Any) -> None:
+                      k_scale: Any = None, v_scale: Any = None, *args: Any,
+                      **kwargs: Any) -> None:
         loc, _, _ = unwrap_write_loc(loc_info)
         layer_id = kwargs.get("layer_id_override") or layer.layer_id
+        if cache_k.dtype != self.dtype:
+            # SGLang's cast (MHATokenToKVPool.set_kv_buffer), once, for every copy: the device
+            # rows, the scratch and the host copy hold the same values (an fp8 cache's too).
+            if k_scale is not None:
+                cache_k.div_(k_scale)
+            if v_scale is not None:
+                cache_v.div_(v_scale)
+            cache_k = cache_k.to(self.dtype)
+            cache_v = None if cache_v is None else cache_v.to(self.dtype)
         if self._extend is not None:
             rows = self.written_rows(loc, layer_id)
             for dst, x in zip(self.scratch, (cache_k, cache_v)):
-                dst[rows] = x.reshape(-1, *dst.shape[1:]).to(dst.dtype)
-        super().set_kv_buffer(layer, self.translate(loc), cache_k, cache_v, *args, **kwargs)
+                dst[rows] = as_stored(x.reshape(-1, *dst.shape[1:]), dst.dtype)
+        # cast already: no scales (MLA pools take none at all)
+        extra = (None, None, *args) if args else ()
+        super().set_kv_buffer(layer, self.translate(loc), cache_k, cache_v, *extra, **kwargs)
         self._write_through(layer_id, loc, cache_k, cache_v)
 
     def get_key_buffer(self, layer_id: int) -> Tensor:
         if self._extend is None:
             return super().get_key_buffer(layer_id)
         self._fill_scratch(layer_id - self.start_layer)
-        return self.scratch[0]
+        return as_stored(self.scratch[0], self.dtype)  # as SGLang reads its own rows
 
     def get_value_buffer(self, layer_id: int) -> Tensor:
         if self._extend is None:
             return super().get_value_buffer(layer_id)
         self._fill_scratch(layer_id - self.start_layer)
-        return self.scratch[1] if len(self.scratch) > 1 else self.values_of(self.scratch[0])
+        if len(self.scratch) > 1:
+            return as_stored(self.scratch[1], self.dtype)
+        return self.values_of(as_stored(self.scratch[0], self.dtype))
 
     def written_rows(self, loc: Tensor, layer_id: int) -> Tensor:
         """Where the extend's dense attention reads the rows just written at logical slots
@@ -354,14 +384,14 @@ class TieredPool:
                        cache_v: Optional[Tensor]) -> None:
         """The host copy of rows just written at logical slots ``loc`` (host-homed ones)."""
         heads = self.tier_heads
-        k = cache_k.reshape(-1, heads, self.tier_key_dim).to(self.dtype)
+        k = as_stored(cache_k.reshape(-1, heads, self.tier_key_dim), self.dtype)
         v = None if not self.tier_value_dim else \
-            cache_v.reshape(-1, heads, self.tier_value_dim).to(self.dtype)
+            as_stored(cache_v.reshape(-1, heads, self.tier_value_dim), self.dtype)
         self.host.write(layer_id - self.start_layer, self.host_slots(loc), k, v)
 
     def gather_tokens(self, layer_id: int, slots: Tensor) -> tuple[Tensor, Tensor]:
-        """K and V ``[n, Hkv, D]`` of logical slots, from their homes (the reference decode on
-        CPU reads host-homed tokens straight from host memory)."""
+        """K and V ``[n, Hkv, D]`` of logical slots in the KV dtype, from their homes (the
+        reference decode on CPU reads host-homed tokens straight from host memory)."""
         idx = layer_id - self.start_layer
         g = self.layout.gpu_tokens
         slots = slots.long()
@@ -369,10 +399,11 @@ class TieredPool:
         hs = None if bool(on_gpu.all()) else (slots - g).clamp(min=0).cpu()
         out = []
         for dev, host in zip(self.tier_buffers(idx), self.host.buffers(idx)):
-            x = dev[slots.clamp(max=g - 1)].clone()
+            x = dev[slots.clamp(max=g - 1)].clone()  # the stored rows (uint8 for fp8)
             if hs is not None:
-                x = torch.where(on_gpu[:, None, None], x, host[:, hs].transpose(0, 1).to(x.device))
-            out.append(x)
+                away = as_stored(host[:, hs].transpose(0, 1), x.dtype).to(x.device)
+                x = torch.where(on_gpu[:, None, None], x, away)
+            out.append(as_stored(x, self.dtype))
         k = out[0]
         return k, out[1] if len(out) > 1 else self.values_of(k)
 
@@ -394,11 +425,15 @@ class TieredPool:
         for row in [r for r, st in self.rows.items() if not st.decoding and r not in in_batch]:
             self.start_decoding(req_to_token, row)
         pages: list[Tensor] = []  # per row: the logical pages of its blocks
+        any_host = False
         for row, seq_len in zip(rows, seq_lens):
-            self.rows.setdefault(row, RowState()).written = seq_len
+            state = self.rows.setdefault(row, RowState())
+            state.written = seq_len
             nblocks = -(-seq_len // ps)
             pages.append(req_to_token[row, 0:nblocks * ps:ps].long() // ps)
-        if not any(bool((lps >= gp).any()) for lps in pages):
+            if bool((pages[-1] >= gp).any()):
+                state.on_host = any_host = True
+        if not any_host:
             for row, seq_len in zip(rows, seq_lens):
                 self.dev_req_to_token[row, :seq_len] = req_to_token[row, :seq_len]
             return
@@ -504,6 +539,92 @@ class TieredPool:
         set."""
         return self.scratch_pages_for(tokens), self.pages_per_request
 
+    # ---------------------------------------------------- admission: the PCIe term
+
+    def configure_transfers(self, pcie_gbps: float, step_ms: float,
+                            locality_new_blocks: int = 0) -> TransferBudget:
+        """The PCIe term (transfer_budget.py): a step may move ``pcie_gbps`` x ``step_ms``; a
+        host-homed request of the server's settings moves at most ``request_step_bytes()``."""
+        self.transfer_new_blocks = locality_new_blocks
+        self.transfers = TransferBudget(
+            step_bytes=step_budget_bytes(pcie_gbps, step_ms),
+            request_bytes=self.request_step_bytes(locality_new_blocks),
+            pcie_gbps=pcie_gbps, step_ms=step_ms)
+        t = self.transfers
+        if t.enabled:
+            logger.info("sglang_ext CPU tier: PCIe term %.1f MB per decode step (%g GB/s x %g ms); "
+                        "a host-homed request moves at most %.1f MB per step (%d blocks x %d kv "
+                        "heads x %d layers x %d bytes)", t.step_bytes / 1e6, pcie_gbps, step_ms,
+                        t.request_bytes / 1e6,
+                        blocks_per_step(self.layout.num_slots, locality_new_blocks),
+                        self.tier_heads, self.layer_num, self.tier_page_bytes)
+            if t.request_bytes > t.step_bytes:
+                logger.warning("sglang_ext CPU tier: one host-homed request's transfers (%.1f MB "
+                               "per step) exceed the PCIe term's %.1f MB: such requests decode "
+                               "one at a time (raise --sparse-tier-step-ms or set "
+                               "--sparse-locality-new-blocks)", t.request_bytes / 1e6,
+                               t.step_bytes / 1e6)
+        return t
+
+    def transfer_budget(self) -> TransferBudget:
+        """The PCIe term, from this process's server config the first time it is asked."""
+        if self.transfers is None:
+            from sglang_ext.patches.server_args import active_config
+
+            cfg = active_config()
+            self.configure_transfers(cfg.tier_pcie_gbps, cfg.tier_step_ms,
+                                     cfg.locality_new_blocks if cfg.locality_blocks else 0)
+        return self.transfers
+
+    def request_step_bytes(self, locality_new_blocks: int) -> int:
+        """Most bytes a host-homed request moves per decode step with this limit on new filter
+        blocks (0: none): its blocks per (layer, kv head) x kv heads x layers x page bytes."""
+        return request_bytes_per_step(
+            blocks_per_step(self.layout.num_slots, locality_new_blocks), self.tier_heads,
+            self.tier_page_bytes, self.layer_num)
+
+    def note_admitted(self, row: int, predicted: int, bound: int) -> None:
+        """The admission's prediction for the request now holding ``row``: ``predicted`` bytes
+        per step (0 when its pages were to be GPU-homed) and its ``bound`` if it turns out
+        host-homed. Replaced by what its pages are once its prompt is written."""
+        self._admitted[row] = (predicted, bound)
+
+    def predicted_row_bytes(self, row: int) -> int:
+        """Bytes ``row``'s request is predicted to move per decode step: its bound once a page
+        of its prompt is seen on the host, 0 once it decodes with every prompt page on the GPU,
+        else (still prefilling) the admission's prediction (the bound without one)."""
+        state = self.rows.get(row)
+        predicted, bound = self._admitted.get(row, (None, None))
+        if bound is None:
+            bound = self.transfer_budget().request_bytes
+        if state is not None and state.on_host:
+            return bound
+        if state is not None and state.decoding:
+            return 0
+        return bound if predicted is None else predicted
+
+    def predicted_load(self, decoding_only: bool = False) -> int:
+        """Bytes per step the admitted requests are predicted to move (``decoding_only``: the
+        ones decoding now, i.e. this step's prediction)."""
+        if decoding_only:
+            rows = [r for r, st in self.rows.items() if st.decoding]
+        else:
+            rows = set(self.rows) | set(self._admitted)
+        return sum(self.predicted_row_bytes(r) for r in rows)
+
+    def gpu_pages_free_at_least(self, free_tokens: int) -> int:
+        """GPU-homed pages surely free when the allocator has ``free_tokens`` free logical
+        slots: at most every host page is among them. SGLang's paged allocator hands out the
+        lowest free pages first, so a request that needs no more pages goes to the GPU."""
+        ps = self.layout.page_size
+        return max(0, free_tokens // ps - self.layout.host_tokens // ps)
+
+    def prefix_on_host(self, prefix_indices: Any) -> bool:
+        """Whether a radix prefix (logical slots) has a host-homed page (a device read)."""
+        if prefix_indices is None or len(prefix_indices) == 0:
+            return False
+        return bool((prefix_indices >= self.layout.gpu_tokens).any())
+
     # -------------------------------------------------------------- decode side
 
     def start_decoding(self, req_to_token: Tensor, row: int) -> None:
@@ -567,6 +688,7 @@ class TieredPool:
             self.sink_pages_t[row, :len(state.sink)] = torch.tensor(state.sink, dtype=torch.int32)
         self.tier.attach(row, torch.tensor(state.slots, dtype=torch.int32, device=dev))
         self.tier.preload(row, torch.tensor(preload, dtype=torch.int32, device=dev))
+        state.on_host = any(lp >= gp for lp in lps)
         state.decoding = True
         self._publish_occupancy()
 
@@ -651,6 +773,9 @@ class TieredPool:
         Eager GPU ops, no host sync. A decode step reads and writes the pool in place: the
         extend before it, if any, is over."""
         self.end_extend()
+        self.decode_steps += 1
+        # host-side: this step's prediction, for the stats
+        self.predicted_bytes += self.predicted_load(decoding_only=True)
         if req_pool_indices.numel() == 0:
             return
         ps = self.layout.page_size
@@ -692,6 +817,7 @@ class TieredPool:
 
     def release_row(self, row: int, req_to_token: Tensor) -> None:
         """Free everything a request row holds (finish, abort, retract)."""
+        self._admitted.pop(row, None)
         state = self.rows.pop(row, None)
         if state is None:
             return
@@ -735,7 +861,8 @@ class TieredPool:
                 n = min(ps, written - j * ps)
                 slots = req_to_token[row, j * ps:j * ps + n]
                 for layer in range(self.layer_num):
-                    home = self.gather_tokens(layer + self.start_layer, slots)
+                    home = [as_stored(x, self.store_dtype)
+                            for x in self.gather_tokens(layer + self.start_layer, slots)]
                     k_dev, v_dev = self.tier_buffers(layer)
                     device = (k_dev, self.values_of(k_dev) if v_dev is None else v_dev)
                     for h in range(self.tier_heads):
@@ -751,9 +878,23 @@ class TieredPool:
     # -------------------------------------------------------------- telemetry
 
     def occupancy(self) -> dict[str, float]:
+        """The tier's counters (a device read) and host-side state. Transfers per decode step:
+        ``bytes_per_step`` measured (transferred bytes over decode steps), beside
+        ``predicted_bytes_per_step``, the PCIe term's prediction over the same steps (a bound:
+        at least the measured value), ``predicted_bytes_per_step_now`` (the requests decoding
+        now) and ``step_budget_bytes`` (0: no PCIe term); ``pcie_holds``: requests the term kept
+        in the queue (cumulative)."""
         st = self.tier.read_stats()
+        t = self.transfer_budget()
+        steps = self.decode_steps
+        moved = st["transferred_blocks"] * self.tier_page_bytes
         st.update(work_pages_free=self.work.available, work_pages=self.work.num_pages,
-                  requests_tiered=len(self.rows))
+                  requests_tiered=len(self.rows), decode_steps=steps, transferred_bytes=moved,
+                  bytes_per_step=moved / steps if steps else 0.0,
+                  predicted_bytes=self.predicted_bytes,
+                  predicted_bytes_per_step=self.predicted_bytes / steps if steps else 0.0,
+                  predicted_bytes_per_step_now=self.predicted_load(decoding_only=True),
+                  step_budget_bytes=t.step_bytes, pcie_holds=self.pcie_holds)
         return st
 
 
@@ -762,7 +903,10 @@ class TieredKVPool(TieredPool, MHATokenToKVPool):
     buffers of ``head_num`` kv heads."""
 
     def tier_shape(self) -> tuple[int, int, int]:
-        if self.store_dtype != self.dtype:  # the host copy and the scratch hold KV-dtype rows
+        # An fp8 cache (stored as uint8 bytes) is moved as its bytes: the host copy holds fp8
+        # rows, the scratch the pool's stored rows. A quantised (FP4) cache keeps scales aside.
+        if getattr(self, "is_quantized_kv_cache", False) or not (
+                self.store_dtype == self.dtype or self.dtype.itemsize == 1):
             raise ValueError(f"sglang_ext: --sparse-tier does not support a KV cache stored as "
                              f"{self.store_dtype} yet (--kv-cache-dtype)")
         return self.head_num, self.head_dim, self.v_head_dim
