@@ -16,16 +16,28 @@ What one run does (``--requests`` requests, at most ``--concurrency`` in flight,
   started first on the same port for ``--dense-reference`` prompts of ``--dense-lengths``
   (within our budget, so our decode attends every token), then stopped; inside the load those
   prompts' outputs must equal the dense server's, under the same near-tie rule;
-* a burst of malformed requests (bad JSON, bad sampling params, bad ``custom_params.sparse``)
-  must each get a 4xx, and the server must still answer afterwards;
+* with ``--dense-twins K``, after the load K of its prompts longer than the sparse budget run
+  again alone, sparse and with ``custom_params.sparse.method = dense`` on the same server:
+  ``dense_twin_agreement`` reports the top-1 agreement of the first ``--twin-tokens`` greedy
+  tokens (mean, and per power-of-two prompt-length bucket) and the share of equal sequences;
+  ``--dense-twins-within`` prompts within the budget must give equal outputs
+  (``identical_when_dense``);
+* a sweep of bad inputs (``MALFORMED``: bad JSON, out-of-vocabulary, negative or non-integer
+  input ids, badly shaped ``input_embeds``, out-of-range ``n``, ``max_new_tokens``, logprob
+  fields, batches mixing good and bad prompts, a prompt longer than the context, bad
+  ``custom_params.sparse``) must each get its status (400), and the server must answer
+  ``/health`` after each;
 * at the end: every finished output is well formed (non-empty ids, as many as reported, finish
   reason set), the server is healthy, and its log (``--server-log``) shows no traceback, no
   "memory leak" and no scheduler crash; retracted requests (SGLang's "KV cache pool is full")
   and the longest queue are counted;
   ``/metrics`` (when enabled) is sampled for our counters.
 
-Writes a JSON report (``--out``) and exits 1 when anything failed. ``--launch "ARGS"`` starts
-``python -m sglang.launch_server ARGS`` itself (log to ``--server-log``) and stops it after.
+Writes a JSON report (``--out``) and exits 1 when anything failed. Beside the details, its top
+level has ``requests`` (all sent to the server under test), ``crashes``, ``leaks`` and
+``errors`` (unexpected failures, and each bad input with its expected and observed status).
+``--launch "ARGS"`` starts ``python -m sglang.launch_server ARGS`` itself (log to
+``--server-log``) and stops it after.
 
     python benchmarks/soak.py --url http://127.0.0.1:30000 --server-log server.log
 """
@@ -54,16 +66,117 @@ sys.path.insert(0, REPO)
 
 from benchmarks.results_io import git_commit, gpu_name, write_results  # noqa: E402
 
-MALFORMED: list[tuple[str, Any]] = [
-    ("not json", "{not json"),
-    ("negative max_new_tokens", {"text": "hi", "sampling_params": {"max_new_tokens": -3}}),
-    ("temperature as text", {"text": "hi", "sampling_params": {"temperature": "hot"}}),
-    ("unknown sparse key", {"text": "hi", "sampling_params": {"max_new_tokens": 2,
-                            "custom_params": {"sparse": {"budgett": 64}}}}),
-    ("bad sparse method", {"text": "hi", "sampling_params": {"max_new_tokens": 2,
-                           "custom_params": {"sparse": {"method": "magic"}}}}),
-    ("bad sparse budget", {"text": "hi", "sampling_params": {"max_new_tokens": 2,
-                           "custom_params": {"sparse": {"budget": -1}}}}),
+@dataclass(frozen=True)
+class BadInput:
+    """One deliberately bad request and the status it must get.
+
+    ``body``: JSON text sent as is (a ``str``), a request body (a ``dict``, sent with
+    ``json.dumps``, so NaN stays NaN), or ``fn(facts) -> dict | None`` for a body that depends on
+    the model (``server_facts``: ``context_len``, ``vocab_size``, ``hidden_size``); None means
+    the facts it needs are unknown, or the case does not apply to this server: it is skipped."""
+
+    name: str
+    body: Any
+    status: int = 400
+    path: str = "/generate"
+
+
+def _ids_body(ids: Any) -> dict:
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}
+
+
+def _embeds_body(embeds: Any) -> dict:
+    return {"input_embeds": embeds, "sampling_params": {"max_new_tokens": 2}}
+
+
+def _text_body(**fields: Any) -> dict:
+    sampling = fields.pop("sampling_params", {})
+    return {"text": "hi", **fields, "sampling_params": {"max_new_tokens": 2, **sampling}}
+
+
+def _needs(*keys: str) -> Any:
+    """Decorator: the body function is skipped (returns None) unless the facts have ``keys``."""
+    def wrap(fn: Any) -> Any:
+        def body(facts: dict) -> Optional[dict]:
+            return fn(facts) if all(facts.get(k) for k in keys) else None
+        return body
+    return wrap
+
+
+@_needs("context_len")
+def _over_context(facts: dict) -> Optional[dict]:
+    if facts.get("allow_auto_truncate"):
+        return None  # the server truncates instead (--allow-auto-truncate)
+    return _ids_body([1] * (facts["context_len"] + 1))
+
+
+def _huge_max_new_tokens(facts: dict) -> Optional[dict]:
+    if facts.get("allow_auto_truncate"):
+        return None  # the server clips max_new_tokens to the context instead
+    return _text_body(sampling_params={"max_new_tokens": 10**12})
+
+
+# Every one must get its status (all 400: SGLang's answer to a ValueError in validation, or to a
+# request body FastAPI cannot parse), and none may disturb the server: patches/
+# tokenizer_manager.py turns those that killed SGLang 0.5.16's scheduler (out-of-vocabulary ids,
+# badly shaped input_embeds, top_logprobs_num past the vocabulary) or answered 500 into 400s.
+# docs/reliability.md lists what a client sees for each.
+MALFORMED: list[BadInput] = [
+    BadInput("not json", "{not json"),
+    BadInput("negative max_new_tokens", _text_body(sampling_params={"max_new_tokens": -3})),
+    BadInput("temperature as text", _text_body(sampling_params={"temperature": "hot"})),
+    BadInput("unknown sparse key", _text_body(
+        sampling_params={"custom_params": {"sparse": {"budgett": 64}}})),
+    BadInput("bad sparse method", _text_body(
+        sampling_params={"custom_params": {"sparse": {"method": "magic"}}})),
+    BadInput("bad sparse budget", _text_body(
+        sampling_params={"custom_params": {"sparse": {"budget": -1}}})),
+    # input ids
+    BadInput("input id past the vocabulary", _ids_body([999999999])),
+    BadInput("input id equal to the vocabulary size",
+             _needs("vocab_size")(lambda f: _ids_body([1, f["vocab_size"]]))),
+    BadInput("negative input id", _ids_body([1, -5, 3])),
+    BadInput("fractional input id", _ids_body([1.5, 2])),
+    BadInput("input ids as strings", _ids_body(["1", "2"])),
+    BadInput("input ids as one string", _ids_body("1 2 3")),
+    BadInput("boolean input ids", _ids_body([True, False])),
+    BadInput("empty input_ids", _ids_body([])),
+    BadInput("empty prompt in a batch", _ids_body([[1, 2], []])),
+    BadInput("batch with one out-of-vocabulary prompt", _ids_body([[1, 2, 3], [999999999]])),
+    BadInput("prompt longer than the context", _over_context),
+    # input embeddings (a server with the radix cache refuses every input_embeds: also a 400)
+    BadInput("empty input_embeds", _embeds_body([])),
+    BadInput("input_embeds too narrow", _embeds_body([[0.1, 0.2]])),
+    BadInput("input_embeds with ragged rows",
+             _needs("hidden_size")(lambda f: _embeds_body([[0.1] * f["hidden_size"], [0.1] * 3]))),
+    BadInput("input_embeds with NaN", _needs("hidden_size")(
+        lambda f: _embeds_body([[0.1] * (f["hidden_size"] - 1) + [float("nan")]]))),
+    # sampling and logprob fields
+    BadInput("n of 100000", _text_body(sampling_params={"n": 100000, "max_new_tokens": 1})),
+    BadInput("n of 0", _text_body(sampling_params={"n": 0})),
+    BadInput("n as text", _text_body(sampling_params={"n": "many"})),
+    BadInput("max_new_tokens past the context", _huge_max_new_tokens),
+    BadInput("logprob_start_len past the prompt",
+             _text_body(return_logprob=True, logprob_start_len=10**6)),
+    BadInput("logprob_start_len below -1", _text_body(return_logprob=True, logprob_start_len=-7)),
+    BadInput("top_logprobs_num past the vocabulary",
+             _text_body(return_logprob=True, top_logprobs_num=10**6)),
+    BadInput("negative top_logprobs_num", _text_body(return_logprob=True, top_logprobs_num=-3)),
+    BadInput("return_logprob as text", _text_body(return_logprob="maybe")),
+    BadInput("return_logprob as a number", _text_body(return_logprob=5)),
+    BadInput("return_logprob list for one prompt", _text_body(return_logprob=[True])),
+    BadInput("token_ids_logprob past the vocabulary",
+             _text_body(return_logprob=True, token_ids_logprob=[999999999])),
+    BadInput("logit_bias past the vocabulary",
+             _text_body(sampling_params={"logit_bias": {"999999999": 1.0}})),
+    BadInput("batch with too few sampling_params",
+             {"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": [{"max_new_tokens": 2}]}),
+    BadInput("batch with too few return_logprob", {
+        "input_ids": [[1, 2, 3], [4, 5]], "return_logprob": [True],
+        "sampling_params": {"max_new_tokens": 2}}),
+    BadInput("out-of-vocabulary prompt on /v1/completions",
+             {"model": "default", "prompt": [999999999], "max_tokens": 2},
+             path="/v1/completions"),
 ]
 
 
@@ -199,17 +312,221 @@ def mismatch(reference: dict, output_ids: list[int], tie_margin: float) -> Optio
     return f"differs at token {pos} (lengths {len(output_ids)} / {len(ref_ids)})"
 
 
-def malformed_sweep(url: str) -> list[dict]:
+def server_facts(url: str) -> dict[str, Any]:
+    """What the model-dependent bad inputs need: the context length (``/v1/models``), vocabulary
+    and hidden size (the model folder's config.json, when ``/model_info`` names a local one) and
+    whether the server truncates long inputs (``/server_info``). Missing facts stay out."""
+    facts: dict[str, Any] = {}
+    try:
+        models = requests.get(url + "/v1/models", timeout=60).json()
+        facts["context_len"] = models["data"][0].get("max_model_len")
+    except (requests.RequestException, ValueError, KeyError, IndexError):
+        pass  # unknown: the cases that need it are skipped
+    try:
+        info = requests.get(url + "/server_info", timeout=60).json()
+        facts["allow_auto_truncate"] = bool(info.get("allow_auto_truncate"))
+        facts["disable_radix_cache"] = bool(info.get("disable_radix_cache"))
+    except (requests.RequestException, ValueError):
+        pass
+    try:
+        model_path = requests.get(url + "/model_info", timeout=60).json().get("model_path")
+        with open(os.path.join(model_path, "config.json")) as f:
+            config = json.load(f)
+        config = {**config.get("text_config", {}), **config}
+        facts["vocab_size"] = config.get("vocab_size")
+        facts["hidden_size"] = config.get("hidden_size")
+    except (requests.RequestException, ValueError, TypeError, OSError):
+        pass
+    return facts
+
+
+def _alive(url: str) -> bool:
+    try:
+        return requests.get(url + "/health", timeout=60).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def malformed_sweep(url: str, facts: Optional[dict[str, Any]] = None,
+                    cases: Optional[list[BadInput]] = None) -> list[dict]:
+    """Each bad input once, in order: its expected and observed status, the error message (one
+    line when it is ours or SGLang's ValueError), and whether the server still answers
+    ``/health`` afterwards. Stops at the first case after which the server is gone."""
+    facts = server_facts(url) if facts is None else facts
     results = []
-    for name, body in MALFORMED:
-        if isinstance(body, str):
-            r = requests.post(url + "/generate", data=body, timeout=60,
+    for case in MALFORMED if cases is None else cases:
+        body = case.body(facts) if callable(case.body) else case.body
+        row: dict[str, Any] = {"case": case.name, "expected": case.status, "status": None,
+                               "ok": False, "message": None, "alive_after": None}
+        if body is None:
+            row.update(skipped="not applicable to this server, or its model facts are unknown",
+                       ok=True)
+            results.append(row)
+            continue
+        data = body if isinstance(body, str) else json.dumps(body)
+        try:
+            r = requests.post(url + case.path, data=data, timeout=300,
                               headers={"Content-Type": "application/json"})
-        else:
-            r = requests.post(url + "/generate", json=body, timeout=60)
-        results.append({"case": name, "status": r.status_code,
-                        "ok": 400 <= r.status_code < 500})
+            row["status"] = r.status_code
+            row["message"] = _error_message(r)
+        except requests.RequestException as e:
+            row["message"] = f"{type(e).__name__}: {e}"[:300]
+        row["alive_after"] = _alive(url)
+        row["ok"] = row["status"] == case.status and row["alive_after"]
+        results.append(row)
+        if not row["alive_after"]:
+            break
     return results
+
+
+def _error_message(r: requests.Response) -> Optional[str]:
+    if r.status_code == 200:
+        return None
+    try:
+        body = r.json()
+    except ValueError:
+        return r.text[:300]
+    error = body.get("error", body) if isinstance(body, dict) else body
+    message = error.get("message", error) if isinstance(error, dict) else error
+    return str(message)[:300]
+
+
+DENSE_OVERRIDE = {"sparse": {"method": "dense"}}  # docs/per-request.md
+
+
+def launch_budget(launch: Optional[str]) -> int:
+    """``--sparse-budget`` of a launch_server argument string, else sglang_ext's default."""
+    words = shlex.split(launch or "")
+    for i, word in enumerate(words):
+        if word == "--sparse-budget" and i + 1 < len(words):
+            return int(words[i + 1])
+        if word.startswith("--sparse-budget="):
+            return int(word.partition("=")[2])
+    from sglang_ext.config import SparseConfig
+
+    return SparseConfig().budget
+
+
+def twin_run(url: str, prompt: str, tokens: int, dense: bool,
+             extra_key: Optional[str] = None) -> dict:
+    """One greedy request of exactly ``tokens`` tokens (EOS ignored) with top-2 logprobs, sparse
+    (the server's settings) or dense (``custom_params.sparse.method = dense``). A distinct
+    ``extra_key`` keeps the radix cache from sharing the prompt's KV with its twin."""
+    sampling: dict[str, Any] = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    if dense:
+        sampling["custom_params"] = DENSE_OVERRIDE
+    payload: dict[str, Any] = {"text": prompt, "return_logprob": True, "top_logprobs_num": 2,
+                               "sampling_params": sampling}
+    if extra_key is not None:
+        payload["extra_key"] = extra_key
+    r = requests.post(url + "/generate", json=payload, timeout=1800)
+    if r.status_code != 200:
+        raise RuntimeError(f"HTTP {r.status_code}: {_error_message(r)}")
+    return r.json()
+
+
+def compare_twins(sparse: dict, dense: dict, tokens: int, tie_margin: float) -> dict[str, Any]:
+    """Top-1 agreement of the first ``tokens`` greedy tokens (position by position), whether the
+    sequences match, and the first difference with the dense twin's top-2 margin there."""
+    a, b = sparse["output_ids"][:tokens], dense["output_ids"][:tokens]
+    n = min(len(a), len(b))
+    first = next((i for i in range(n) if a[i] != b[i]), None if len(a) == len(b) else n)
+    margin = None
+    tops = dense["meta_info"].get("output_top_logprobs") or []
+    if first is not None and first < len(tops) and tops[first] and len(tops[first]) >= 2:
+        margin = round(tops[first][0][0] - tops[first][1][0], 4)
+    return {
+        "prompt_tokens": dense["meta_info"].get("prompt_tokens", 0),
+        "tokens": n,
+        "top1_agreement": round(sum(x == y for x, y in zip(a, b)) / n, 4) if n else None,
+        "match": first is None,
+        "first_difference": first,
+        "dense_top2_margin_there": margin,
+        "near_tie": margin is not None and margin <= tie_margin,
+    }
+
+
+def length_bucket(tokens: int) -> str:
+    """Power-of-two prompt-length bucket, e.g. ``"1024-2047"``."""
+    lo = 1 << max(tokens, 1).bit_length() - 1
+    return f"{lo}-{2 * lo - 1}"
+
+
+def summarize_twins(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def stats(group: list[dict[str, Any]]) -> dict[str, Any]:
+        scored = [r["top1_agreement"] for r in group if r["top1_agreement"] is not None]
+        return {"prompts": len(group),
+                "top1_mean": round(sum(scored) / len(scored), 4) if scored else None,
+                "sequence_match_rate": round(sum(r["match"] for r in group) / len(group), 4)
+                if group else None}
+
+    buckets: dict[str, list[dict[str, Any]]] = {}
+    for r in sorted(rows, key=lambda r: r["prompt_tokens"]):
+        buckets.setdefault(length_bucket(r["prompt_tokens"]), []).append(r)
+    return {**stats(rows), "by_length": {k: stats(v) for k, v in buckets.items()},
+            "near_tie_first_differences": sum(r["near_tie"] for r in rows), "rows": rows}
+
+
+def dense_twins(url: str, candidates: list[tuple[str, int]], args: argparse.Namespace,
+                rng: random.Random) -> dict[str, Any]:
+    """``candidates``: (prompt, prompt tokens) of the load's finished requests. Each sampled
+    prompt runs alone, sparse then dense, on the idle server. Beyond the budget the pair shares
+    the prompt's KV through the radix cache (one prefill, as the load left it); within it each
+    request prefills alone (distinct ``extra_key``s), so both take the same arithmetic up to
+    the decode, where budget >= context makes ours attend every token: outputs must be equal."""
+    tokens, budget = args.twin_tokens, args.sparse_budget
+    unique = list(dict.fromkeys(candidates))
+    over = [c for c in unique if c[1] > budget]
+    within = [c for c in unique if c[1] + tokens <= budget]
+    over = rng.sample(over, min(args.dense_twins, len(over)))
+    within = rng.sample(within, min(args.dense_twins_within, len(within)))
+    out: dict[str, Any] = {"budget": budget, "tokens": tokens, "requests": 0, "errors": []}
+    over_rows, within_rows = [], []
+    for group, rows, fresh in ((over, over_rows, False), (within, within_rows, True)):
+        for i, (prompt, _) in enumerate(group):
+            try:
+                sparse = twin_run(url, prompt, tokens, False, fresh and f"twin-{i}-sparse" or None)
+                out["requests"] += 1
+                dense = twin_run(url, prompt, tokens, True, fresh and f"twin-{i}-dense" or None)
+                out["requests"] += 1
+            except (RuntimeError, requests.RequestException) as e:
+                out["errors"].append(f"twin of a {'within' if fresh else 'beyond'}-budget "
+                                     f"prompt: {e}"[:300])
+                continue
+            rows.append(compare_twins(sparse, dense, tokens, args.tie_margin))
+    out["agreement"] = summarize_twins(over_rows)
+    out["within_budget"] = {"prompts": len(within_rows), "rows": within_rows,
+                            "differing": [r for r in within_rows if not r["match"]]}
+    out["identical_when_dense"] = (all(r["match"] for r in within_rows)
+                                   if within_rows else None)
+    return out
+
+
+def reliability_summary(report: dict[str, Any], findings: dict[str, Any]) -> dict[str, Any]:
+    """The reliability issue's top-level keys: ``requests`` (every request sent to the server
+    under test), ``crashes`` (scheduler crashes in its log; 1 when the server was found gone
+    without one), ``leaks`` ("memory leak" lines in its log; None without a log) and ``errors``
+    (failed requests and log tracebacks beyond the deliberately bad inputs, and each bad input
+    with its expected and observed status)."""
+    sent = report.get("requests_by_phase", {})
+    have_log = bool(findings)
+    crashes = findings.get("scheduler_crashes", 0)
+    if not report.get("healthy_after", True) and not crashes:
+        crashes = 1
+    return {
+        "requests": sum(sent.values()),
+        "crashes": crashes,
+        "leaks": findings.get("memory_leaks", 0) if have_log else None,
+        "errors": {
+            "unexpected": report.get("unexpected_errors", []),
+            "log_tracebacks": findings.get("tracebacks") if have_log else None,
+            "bad_inputs": [{"case": m["case"], "expected": m["expected"],
+                            "observed": m["status"], "ok": m["ok"],
+                            **({"skipped": m["skipped"]} if m.get("skipped") else {}),
+                            **({"message": m["message"]} if m.get("message") else {})}
+                           for m in report.get("malformed", [])],
+        },
+    }
 
 
 def log_findings(text: str) -> dict[str, Any]:
@@ -302,6 +619,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--dense-lengths", type=parse_length, nargs="+", default=None,
                     help="their lengths, LEN[:WEIGHT]: prompt + --max-new-tokens within our "
                          "budget, where our decode attends every token (default: --lengths)")
+    ap.add_argument("--dense-twins", type=int, default=0, metavar="K",
+                    help="after the load, K of its prompts longer than the sparse budget are run "
+                         "again alone, sparse and with custom_params.sparse.method=dense on the "
+                         "same server: dense_twin_agreement in the report (0: off)")
+    ap.add_argument("--dense-twins-within", type=int, default=2, metavar="K",
+                    help="with --dense-twins: also K prompts within the budget (prompt + "
+                         "--twin-tokens <= budget), whose sparse output must equal the dense "
+                         "twin's exactly (identical_when_dense)")
+    ap.add_argument("--twin-tokens", type=int, default=None, metavar="N",
+                    help="greedy tokens compared per twin pair (default --max-new-tokens)")
+    ap.add_argument("--sparse-budget", type=int, default=None,
+                    help="the server's --sparse-budget, for --dense-twins (default: read from "
+                         "--launch, else sglang_ext's default)")
     ap.add_argument("--tie-margin", type=float, default=TIE_MARGIN,
                     help="nats: a first difference where the reference's top-2 logprobs are at "
                          "most this far apart is a near tie, not a mismatch (see TIE_MARGIN)")
@@ -316,6 +646,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     if args.dense_launch and not args.launch:
         ap.error("--dense-launch needs --launch (both servers use --port, one after the other)")
+    if args.twin_tokens is None:
+        args.twin_tokens = args.max_new_tokens
+    if args.sparse_budget is None:
+        args.sparse_budget = launch_budget(args.launch)
 
     url = args.url or f"http://127.0.0.1:{args.port}"
     log_path = args.server_log or os.path.splitext(args.out)[0] + "_server.log"
@@ -348,6 +682,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if findings.get(key):
             failures.append(f"server log: {findings[key]} {key}")
     report["failures"] = failures
+    report.update(reliability_summary(report, findings))
     report["ok"] = not failures
     rows = report.pop("rows")
     write_results(args.out, rows, {"commit": git_commit(), "gpu": gpu_name(), **report})
@@ -364,11 +699,20 @@ def soak(url: str, args: argparse.Namespace, lines: list[str],
     rng = random.Random(args.seed)
     failures: list[str] = []
 
+    phase_start = time.time()
+    phase_seconds: dict[str, float] = {}  # wall time of each phase, in the report
+
+    def phase_done(name: str) -> None:
+        nonlocal phase_start
+        phase_seconds[name] = round(time.time() - phase_start, 1)
+        phase_start = time.time()
+
     # The reference prompts, alone on the idle server first.
     ref_prompts = [make_prompt(lines, rng, draw_length(rng, args.lengths)) for _ in range(args.reference)]
     references = [reference_run(url, p, args.max_new_tokens) for p in ref_prompts] \
         + [reply for _, reply in dense_refs]
     fixed = [("reference", p) for p in ref_prompts] + [("dense-reference", p) for p, _ in dense_refs]
+    phase_done("idle_references")
 
     # The load: kinds drawn up front so the mix is reproducible; exactly round(abort_frac * n)
     # of the other requests are aborted, half by the client, half through /abort_request.
@@ -429,6 +773,7 @@ def soak(url: str, args: argparse.Namespace, lines: list[str],
     bar.close()
     load_done.set()
     metrics_after = sample_metrics(url)
+    phase_done("load")
 
     # Checks.
     by_prompt = {p: i for i, (_, p) in enumerate(fixed)}
@@ -450,9 +795,31 @@ def soak(url: str, args: argparse.Namespace, lines: list[str],
             if why:
                 mismatches.append(f"request {o.index}: {why}")
     failures += mismatches
-    malformed = malformed_sweep(url)
-    failures += [f"malformed request '{m['case']}' got HTTP {m['status']}" for m in malformed
-                 if not m["ok"]]
+    unexpected = [f"request {o.index} ({o.kind}): {o.error}" for o in outcomes
+                  if o.error and not o.kind.startswith("abort") and not o.skipped]
+
+    twins: dict[str, Any] = {}
+    if args.dense_twins > 0:
+        candidates = [(prompt, o.prompt_tokens) for (_, prompt), o in zip(plan, outcomes)
+                      if not o.kind.startswith("abort") and not o.skipped and not o.error
+                      and o.finish_reason and o.prompt_tokens]
+        twins = dense_twins(url, candidates, args, random.Random(args.seed + 2))
+        unexpected += twins["errors"]
+        failures += [f"dense twin: {e}" for e in twins["errors"]]
+        if twins["identical_when_dense"] is False:
+            failures.append("identical_when_dense: a within-budget prompt's sparse output "
+                            "differs from its dense twin's")
+        if twins["identical_when_dense"] is None and args.dense_twins_within > 0:
+            failures.append(f"identical_when_dense: no finished prompt within the budget "
+                            f"({args.sparse_budget} tokens) to check")
+
+    phase_done("dense_twins")
+    facts = server_facts(url)
+    malformed = malformed_sweep(url, facts)
+    phase_done("bad_inputs")
+    failures += [f"bad input '{m['case']}': expected HTTP {m['expected']}, got {m['status']}"
+                 + ("" if m["alive_after"] else " and the server is gone")
+                 for m in malformed if not m["ok"]]
     try:
         wait_healthy(url, None, 120)
         healthy_after = True
@@ -479,6 +846,20 @@ def soak(url: str, args: argparse.Namespace, lines: list[str],
         "dense_reference_checked": sum(1 for o in outcomes if o.kind == "dense-reference"),
         "mismatches": mismatches,
         "malformed": malformed,
+        "server_facts": facts,
+        "unexpected_errors": unexpected,
+        "phase_seconds": phase_seconds,
+        "requests_by_phase": {
+            "idle_references": len(ref_prompts),
+            "load": sum(1 for o in outcomes if not o.skipped),
+            "dense_twins": twins.get("requests", 0),
+            "bad_inputs": sum(1 for m in malformed if not m.get("skipped")),
+        },
+        **({"dense_twin_agreement": twins["agreement"],
+            "identical_when_dense": twins["identical_when_dense"],
+            "dense_twins": {k: v for k, v in twins.items()
+                            if k not in ("agreement", "identical_when_dense")}}
+           if twins else {}),
         "healthy_after": healthy_after,
         "metrics_during": metrics_during,
         "metrics_after": metrics_after,

@@ -8,8 +8,9 @@ from __future__ import annotations
 import logging
 import pkgutil
 
+from sglang_ext import runtime
+
 logger = logging.getLogger(__name__)
-_registered = False
 
 
 def _patch_modules() -> list:
@@ -23,17 +24,21 @@ def _patch_modules() -> list:
         sampling_params,
         scheduler,
         server_args,
+        tokenizer_manager,
     )
 
-    return [server_args, attention_registry, sampling_params, req_to_token_pool,
-            kv_cache_configurator, paged_allocator, model_loader, scheduler, cuda_graph]
+    return [server_args, attention_registry, sampling_params, tokenizer_manager,
+            req_to_token_pool, kv_cache_configurator, paged_allocator, model_loader, scheduler,
+            cuda_graph]
 
 
 def register() -> None:
-    global _registered
-    if _registered:
+    process = runtime.state()
+    if process.plugin_registered:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sglang_ext.attention import synthetic_kv
 
     modules = _patch_modules()
     for module in modules:
@@ -45,7 +50,8 @@ def register() -> None:
             setup()
         for target, hook, kind in module.HOOKS:
             HookRegistry.register(target, hook, HookType[kind])
-    _registered = True
+    synthetic_kv.install()  # benchmarks only: SGLANG_EXT_SYNTHETIC_KV=random
+    process.plugin_registered = True
 
 
 def hook_targets() -> list[str]:

@@ -46,6 +46,13 @@ HOOKED: dict[str, str] = {
         "input_ids: 'Optional[List[int]]', input_embeds: 'Optional[List[List[float]]]' = None, "
         "mm_inputs=None, token_type_ids: 'Optional[List[int]]' = None) "
         "-> 'Union[TokenizedGenerateReqInput, TokenizedEmbeddingReqInput]'",
+    # patches/tokenizer_manager.py
+    "sglang.srt.managers.tokenizer_manager:TokenizerManager.generate_request":
+        "(self, obj: 'Union[GenerateReqInput, EmbeddingReqInput]', "
+        "request: 'Optional[fastapi.Request]' = None)",
+    "sglang.srt.managers.tokenizer_manager:TokenizerManager._validate_one_request":
+        "(self, obj: 'Union[GenerateReqInput, EmbeddingReqInput]', input_ids: 'List[int]') "
+        "-> 'None'",
     # patches/req_to_token_pool.py
     "sglang.srt.mem_cache.memory_pool:ReqToTokenPool.alloc":
         "(self, reqs: 'list[Req]') -> 'Optional[List[int]]'",
@@ -199,6 +206,9 @@ COUPLED: dict[str, str] = {
     "sglang.srt.mem_cache.memory_pool:MLATokenToKVPool._write_mla_kv_buffer":
         "(self, dst_buffer: 'torch.Tensor', loc: 'torch.Tensor', cache_k_nope: 'torch.Tensor', "
         "cache_k_rope: 'torch.Tensor') -> 'None'",
+    # patches/tokenizer_manager.py
+    "sglang.srt.managers.io_struct:GenerateReqInput.contains_mm_input": "(self) -> 'bool'",
+    "sglang.srt.managers.io_struct:EmbeddingReqInput.contains_mm_input": "(self) -> 'bool'",
     # sglang_ext/tensor_parallel.py, sglang_ext/selection/mla.py
     "sglang.srt.runtime_context:get_parallel": "() -> 'ParallelContext'",
     "sglang.srt.distributed.parallel_state:get_world_group":
@@ -231,13 +241,20 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "sglang.srt.distributed.parallel_state:GroupCoordinator": ("cpu_group",),
     "sglang.srt.configs.model_config:ModelConfig": (
         "context_len", "num_hidden_layers", "head_dim", "kv_lora_rank", "qk_rope_head_dim",
-        "attention_arch"),
+        "attention_arch", "vocab_size", "hidden_size"),
     "sglang.srt.managers.scheduler:Scheduler": (
         "waiting_queue", "tree_cache", "token_to_kv_pool_allocator", "chunked_req"),
     "sglang.srt.managers.schedule_policy:PrefillAdder": ("can_run_list",),
     "sglang.srt.managers.schedule_batch:Req": (
         "origin_input_ids", "output_ids", "req_pool_idx", "sampling_params"),
     "sglang.srt.sampling.sampling_params:SamplingParams": ("custom_params",),
+    "sglang.srt.managers.tokenizer_manager:TokenizerManager": ("model_config",),
+    "sglang.srt.managers.io_struct:GenerateReqInput": (
+        "text", "input_ids", "input_embeds", "sampling_params", "return_logprob",
+        "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "return_sampling_mask",
+        "custom_logit_processor", "lora_path", "return_hidden_states", "bootstrap_host",
+        "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size"),
+    "sglang.srt.managers.io_struct:EmbeddingReqInput": ("input_ids", "input_embeds"),
     "sglang.srt.mem_cache.memory_pool:ReqToTokenPool": ("req_to_token",),
     "sglang.srt.mem_cache.allocator.paged:PagedTokenToKVPoolAllocator": (
         "free_pages", "page_size", "device"),

@@ -2,8 +2,12 @@
 our backend and the CPU tier (sync, 1024 KV slots on the device, per-step verification), under
 concurrent streaming requests of mixed lengths, aborts (client disconnect and /abort_request),
 shared prefixes, a reference subset checked against the idle server's outputs, a subset checked
-against a dense-attention server's (SGLang's torch_native) and a burst of malformed requests. It must report no failure: no errors, no mismatches, 4xx for every malformed
-request, no traceback, leak or scheduler crash in the server's log, healthy afterwards."""
+against a dense-attention server's (SGLang's torch_native), dense twins (the same prompt again
+with ``custom_params.sparse.method = dense`` on the same server) and the sweep of bad inputs. It
+must report no failure: no errors, no mismatches, the expected 400 for every bad input, within-
+budget prompts identical to their dense twins, no traceback, leak or scheduler crash in the
+server's log, healthy afterwards. The twins' agreement beyond the budget is measured, not
+asserted."""
 
 from __future__ import annotations
 
@@ -42,7 +46,10 @@ def test_soak_on_cpu(tmp_path):
          "--lengths", "64", "300", "900", "1800", "--max-new-tokens", "16", "--reference", "3",
          "--abort-frac", "0.2", "--time-limit", "600",
          # prompts + 16 new tokens within the 256-token budget: our decode attends every token
-         "--dense-launch", DENSE_SERVER, "--dense-reference", "2", "--dense-lengths", "100", "160"],
+         "--dense-launch", DENSE_SERVER, "--dense-reference", "2", "--dense-lengths", "100", "160",
+         # after the load: 2 prompts beyond the 256-token budget and 2 within it, each run alone
+         # sparse and dense on the same server, 8 greedy tokens compared
+         "--dense-twins", "2", "--dense-twins-within", "2", "--twin-tokens", "8"],
         capture_output=True, text=True, timeout=1200,
         env=server_env({"SGLANG_EXT_TIER_VERIFY": "2"}),
     )
@@ -55,6 +62,23 @@ def test_soak_on_cpu(tmp_path):
     assert report["server_log"]["retractions"] == 0
     assert report["max_prompt_tokens"] > 1024  # some requests live mostly on the host
     assert all(m["ok"] for m in report["malformed"])
+    # the reliability issue's top-level keys
+    assert report["crashes"] == 0 and report["leaks"] == 0
+    assert report["errors"]["unexpected"] == [] and report["errors"]["log_tracebacks"] == 0
+    bad = report["errors"]["bad_inputs"]
+    assert len(bad) == len(report["malformed"]) and all(b["ok"] for b in bad)
+    assert all(b["observed"] == b["expected"] == 400 for b in bad if not b.get("skipped"))
+    phases = report["requests_by_phase"]
+    assert report["requests"] == sum(phases.values())
+    assert phases["load"] == 16 and phases["idle_references"] == 3 and phases["dense_twins"] == 8
+    # dense twins: agreement measured beyond the budget, identity within it
+    agreement = report["dense_twin_agreement"]
+    assert agreement["prompts"] == 2 and 0.0 <= agreement["top1_mean"] <= 1.0
+    assert 0.0 <= agreement["sequence_match_rate"] <= 1.0
+    assert sum(b["prompts"] for b in agreement["by_length"].values()) == 2
+    assert all(r["prompt_tokens"] > 256 and r["tokens"] == 8 for r in agreement["rows"])
+    assert report["dense_twins"]["within_budget"]["prompts"] == 2
+    assert report["identical_when_dense"] is True
     assert report["healthy_after"]
     assert report["server_log"]["memory_leaks"] == 0
     assert report["metrics_during"].get("sglang_ext:tier_working_area_pages", 0) > 0
