@@ -95,6 +95,12 @@ def _rank_main(rank: int, port: int, results: "mp.Queue") -> None:
     fixed = host_tokens_per_rank(build_config(tier_host_gb=8.0), bytes_per_token=1000)
     results.put((rank, tensor_parallel.world_size(),
                  tensor_parallel.agree_min([10 + rank, 5 - rank]), auto, fixed))
+    # leave together: a rank that exits while its peer still holds the gloo connection may
+    # abort the peer at exit
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def test_ranks_agree_on_the_tier_capacity() -> None:

@@ -260,7 +260,9 @@ def test_the_stats_report_predicted_and_measured_bytes_per_step(monkeypatch):
     pool.release_row(1, r2t)
 
 
-def test_request_limits_follow_custom_params():
+def test_request_limits_follow_custom_params(monkeypatch):
+    # requests are parsed against the server's config: a default one, whatever ran before
+    monkeypatch.setattr(runtime.state(), "config", build_config())
     req = _req(1, sparse={"locality_blocks": 30, "eviction_score": "key_norm",
                           "locality_new_blocks": 4})
     assert sched.request_new_blocks_limit(req, 0) == 4
