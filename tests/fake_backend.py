@@ -62,3 +62,27 @@ class FakeReq(SimpleNamespace):
 
     def __eq__(self, other: object) -> bool:
         return self is other
+
+
+class FakePrefillAdder:
+    """The part of SGLang's PrefillAdder the tier admission hook touches; its own add_one_req
+    admits all. ``free_tokens``: what its allocator reports free (no allocator: None)."""
+
+    def __init__(self, free_tokens: int | None = None) -> None:
+        self.can_run_list: list = []
+        self.rem_total_token_offset = 0
+        if free_tokens is not None:
+            self.token_to_kv_pool_allocator = SimpleNamespace(available_size=lambda: free_tokens)
+
+    def add_one_req(self, req, has_chunked_req=False, truncation_align_size=None):
+        from sglang.srt.managers.schedule_policy import AddReqResult
+
+        self.can_run_list.append(req)
+        return AddReqResult.CONTINUE
+
+    def admit(self, req) -> object:
+        """``req`` through the scheduler patch's admission, then this adder."""
+        from sglang_ext.patches import scheduler
+
+        return scheduler._around_add_one_req(FakePrefillAdder.add_one_req, self, req,
+                                             has_chunked_req=False, truncation_align_size=None)

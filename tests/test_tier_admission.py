@@ -18,7 +18,7 @@ import pytest
 import torch
 from sglang.srt.managers.schedule_policy import AddReqResult
 
-from fake_backend import FakeReq
+from fake_backend import FakePrefillAdder, FakeReq
 from sglang_ext import runtime
 from sglang_ext.memory_tier.tiered_pool import TieredKVPool, plan_layout
 from sglang_ext.patches import scheduler as sched
@@ -47,20 +47,11 @@ def _req(r2t: torch.Tensor, row: int, prefix: int) -> SimpleNamespace:
                            origin_input_ids=list(range(PROMPT)), output_ids=[])
 
 
-class _Adder:
-    """The part of SGLang's PrefillAdder the hook touches; its own add_one_req admits all."""
-
-    def __init__(self) -> None:
-        self.can_run_list: list = []
-
-    def add_one_req(self, req, has_chunked_req=False, truncation_align_size=None):
-        self.can_run_list.append(req)
-        return AddReqResult.CONTINUE
+_Adder = FakePrefillAdder
 
 
-def _admit(adder: _Adder, req: SimpleNamespace) -> AddReqResult:
-    return sched._around_add_one_req(_Adder.add_one_req, adder, req, has_chunked_req=False,
-                                     truncation_align_size=None)
+def _admit(adder: FakePrefillAdder, req: FakeReq) -> AddReqResult:
+    return adder.admit(req)
 
 
 def test_without_admission_a_host_prefix_beside_a_long_prompt_overflows_the_scratch():

@@ -18,7 +18,7 @@ import pytest
 import torch
 from sglang.srt.managers.schedule_policy import AddReqResult
 
-from fake_backend import FakeReq
+from fake_backend import FakePrefillAdder, FakeReq
 from sglang_ext import runtime
 from sglang_ext.config import ConfigError, add_cli_args, build_config
 from sglang_ext.memory_tier.tiered_pool import TieredKVPool, plan_layout
@@ -59,23 +59,11 @@ def _req(row: int, prefix: torch.Tensor | None = None, **custom) -> SimpleNamesp
                            req_pool_idx=row)
 
 
-class _Adder:
-    """The part of SGLang's PrefillAdder the hook touches; its own add_one_req admits all."""
-
-    def __init__(self, free_tokens: int | None = None) -> None:
-        self.can_run_list: list = []
-        self.rem_total_token_offset = 0
-        if free_tokens is not None:
-            self.token_to_kv_pool_allocator = SimpleNamespace(available_size=lambda: free_tokens)
-
-    def add_one_req(self, req, has_chunked_req=False, truncation_align_size=None):
-        self.can_run_list.append(req)
-        return AddReqResult.CONTINUE
+_Adder = FakePrefillAdder
 
 
-def _admit(adder: _Adder, req: SimpleNamespace) -> AddReqResult:
-    return sched._around_add_one_req(_Adder.add_one_req, adder, req, has_chunked_req=False,
-                                     truncation_align_size=None)
+def _admit(adder: FakePrefillAdder, req: FakeReq) -> AddReqResult:
+    return adder.admit(req)
 
 
 def _rows_handed_out(*reqs: SimpleNamespace) -> None:
