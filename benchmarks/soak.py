@@ -327,7 +327,7 @@ def server_facts(url: str) -> dict[str, Any]:
         facts["allow_auto_truncate"] = bool(info.get("allow_auto_truncate"))
         facts["disable_radix_cache"] = bool(info.get("disable_radix_cache"))
     except (requests.RequestException, ValueError):
-        pass
+        pass  # unknown: taken as off (SGLang's defaults)
     try:
         model_path = requests.get(url + "/model_info", timeout=60).json().get("model_path")
         with open(os.path.join(model_path, "config.json")) as f:
@@ -336,7 +336,7 @@ def server_facts(url: str) -> dict[str, Any]:
         facts["vocab_size"] = config.get("vocab_size")
         facts["hidden_size"] = config.get("hidden_size")
     except (requests.RequestException, ValueError, TypeError, OSError):
-        pass
+        pass  # unknown: the cases that need the vocabulary or hidden size are skipped
     return facts
 
 

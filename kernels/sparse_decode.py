@@ -406,7 +406,7 @@ class LayerCache:
     v_scale: float = 1.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class SelectionInputs:
     """What optional features add to one layer's selection (all None: the plain pipeline).
 

@@ -12,7 +12,6 @@ import logging
 import os
 from typing import Any, Optional
 
-import torch
 from torch import Tensor
 
 from sglang_ext.attention import request_overrides
@@ -244,20 +243,21 @@ class KernelDecoder:
         for feature in self.features:
             feature.kv_written(index, keys, values, loc)
 
-    def write_decode_kv(self, layer: Any, k: Optional[Tensor], v: Optional[Tensor],
-                        forward_batch: Any, save_kv_cache: bool) -> None:
+    def write_decode_kv(self, layer: Any, cache: LayerCache, k: Optional[Tensor],
+                        v: Optional[Tensor], forward_batch: Any, save_kv_cache: bool) -> None:
         """This decode step's KV, page summaries and labels of one layer: in one launch
         (kernels/decode_write.py) where it writes exactly what set_kv_buffer and kv_written
         write, else SGLang's write and then kv_written."""
         loc = forward_batch.out_cache_loc
         if save_kv_cache and k is not None and v is not None:
-            if self._write_fused(layer, k, v, loc):
+            if self._write_fused(layer, cache, k, v, loc):
                 return
             write_kv(self.ctx.token_to_kv_pool, layer, k, v, loc)
         if self._wrote_kv(k, save_kv_cache):
             self.kv_written(layer, k, v, loc)
 
-    def _write_fused(self, layer: Any, k: Tensor, v: Tensor, loc: Tensor) -> bool:
+    def _write_fused(self, layer: Any, cache: LayerCache, k: Tensor, v: Tensor,
+                     loc: Tensor) -> bool:
         """False: nothing was written (the pool, a feature or the dtypes rule it out)."""
         if self._fused_write is None:
             self._fused_write = fused_write_pool(self.ctx) and not any(
@@ -266,7 +266,6 @@ class KernelDecoder:
             return False
         from sglang_ext.kernels.decode_write import fused_write_supported, write_decode_kv
 
-        cache = self.layer_cache(layer)
         if not fused_write_supported(cache.k_buffer.dtype, k.dtype, cache.kmin.dtype,
                                      None if cache.labels is None else cache.labels.dtype):
             return False
@@ -301,10 +300,10 @@ class KernelDecodePlan:
     def run(self, layer: Any, q: Tensor, k: Optional[Tensor], v: Optional[Tensor],
             save_kv_cache: bool) -> Tensor:
         decoder = self.decoder
-        decoder.write_decode_kv(layer, k, v, self.forward_batch, save_kv_cache)
+        cache = decoder.layer_cache(layer)
+        decoder.write_decode_kv(layer, cache, k, v, self.forward_batch, save_kv_cache)
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        step = LayerStep(decoder.ctx.layer_index(layer), q, decoder.layer_cache(layer),
-                         layer.scaling)
+        step = LayerStep(decoder.ctx.layer_index(layer), q, cache, layer.scaling)
         if self.row_groups is not None:
             out = decoder.mixed().decode(self.row_groups, q, step.cache, self.rows, step.scaling)
         else:
