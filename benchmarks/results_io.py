@@ -27,7 +27,8 @@ RESULT_EXTS = (".json", ".png", ".md", ".txt")
 SUITES: dict[str, tuple[str, ...]] = {
     "operator": ("operator_*", "label_max_*", "block_filter_pareto_*"),
     "kernels": ("sparse_attention_*", "kv_write_*"),
-    "serving": ("e2e_*", "capacity_*", "server_check_*", "tp2_*", "soak*"),
+    "serving": ("e2e_*", "capacity_*", "server_check_*", "tp2_*", "soak*",
+                "faults_*"),
     "transfer": ("transfer_*",),
     "tier": ("tier_*",),
     "accuracy": ("accuracy_*", "smollm2_*", "compare_*", "longgen_*", "eviction_head_*"),

@@ -4,8 +4,10 @@ full tiers, malformed requests; bounded in count and time, loopback only.
 What one run does (``--requests`` requests, at most ``--concurrency`` in flight, stops at
 ``--time-limit``):
 
-* mixed prompt lengths (``--lengths``, tokens of the standard library's docstrings), every request
-  streaming; some share a long prefix with an earlier one (radix-cache hits, ``--shared``);
+* mixed prompt lengths (``--lengths``, tokens of the standard library's docstrings), streaming
+  (``--non-stream-frac`` of the plain and shared requests, and of those aborted through the API,
+  are sent without streaming); some share a long prefix with an earlier one (radix-cache hits,
+  ``--shared``);
 * ``--abort-frac`` of them (exactly, rounded) are aborted mid-decode, half by the client closing
   the stream, half through ``POST /abort_request`` with the request's ``rid``;
 * ``--reference`` prompts are first run alone on the idle server (greedy, with top-2 logprobs),
@@ -38,6 +40,10 @@ level has ``requests`` (all sent to the server under test), ``crashes``, ``leaks
 ``errors`` (unexpected failures, and each bad input with its expected and observed status).
 ``--launch "ARGS"`` starts ``python -m sglang.launch_server ARGS`` itself (log to
 ``--server-log``) and stops it after.
+
+``--merge NAME=REPORT.json ... --out X.json`` writes one report from several runs (phases on
+different servers, e.g. benchmarks/device/soak_real.sh): the top-level keys summed over the
+phases, each phase's report and server flags under ``phases`` (``merge_reports``).
 
     python benchmarks/soak.py --url http://127.0.0.1:30000 --server-log server.log
 """
@@ -191,6 +197,7 @@ class Outcome:
     malformed: Optional[str] = None
     seconds: float = 0.0
     skipped: bool = False  # not started: --time-limit had passed
+    stream: bool = True  # False: one plain POST /generate, the whole answer at once
 
 
 def corpus_lines() -> list[str]:
@@ -257,6 +264,21 @@ def _stream(url: str, payload: dict, out: Outcome, stop_after: Optional[int]) ->
                 return  # closing the connection: SGLang aborts the request
 
 
+def _blocking(url: str, payload: dict, out: Outcome) -> None:
+    """One non-streaming /generate (an aborted one answers with finish reason ``abort``)."""
+    r = requests.post(url + "/generate", json=payload, timeout=1800)
+    if r.status_code != 200:
+        out.error = f"HTTP {r.status_code}: {r.text[:200]}"
+        return
+    msg = r.json()
+    out.output_ids = msg.get("output_ids", [])
+    meta = msg.get("meta_info", {})
+    out.prompt_tokens = meta.get("prompt_tokens", 0)
+    fin = meta.get("finish_reason")
+    if fin:
+        out.finish_reason = fin.get("type") if isinstance(fin, dict) else str(fin)
+
+
 def run_one(url: str, outcome: Outcome, prompt: str, max_new_tokens: int, rid: str,
             abort_after: Optional[float]) -> Outcome:
     t0 = time.time()
@@ -269,9 +291,14 @@ def run_one(url: str, outcome: Outcome, prompt: str, max_new_tokens: int, rid: s
                 url + "/abort_request", json={"rid": rid}, timeout=60))
             timer.start()
             try:
-                _stream(url, payload, outcome, None)
+                if outcome.stream:
+                    _stream(url, payload, outcome, None)
+                else:
+                    _blocking(url, payload, outcome)
             finally:
                 timer.cancel()
+        elif not outcome.stream:
+            _blocking(url, payload, outcome)
         else:
             _stream(url, payload, outcome, 3 if outcome.kind == "abort-client" else None)
     except requests.RequestException as e:
@@ -529,6 +556,79 @@ def reliability_summary(report: dict[str, Any], findings: dict[str, Any]) -> dic
     }
 
 
+def merge_reports(phases: dict[str, Optional[dict[str, Any]]], *, model: Optional[str] = None,
+                  commit: Optional[str] = None, gpu: Optional[str] = None,
+                  note: Optional[str] = None) -> dict[str, Any]:
+    """One report from the reports of a soak's phases, each run by ``main`` on its own server
+    (``phases``: name -> report, None for a phase that wrote none). Top level: ``requests``,
+    ``crashes``, ``leaks`` (None when no phase knows) summed; ``errors`` with each phase's
+    unexpected errors and bad inputs (tagged with the phase), the log tracebacks summed and
+    ``count`` (unexpected errors + tracebacks + bad inputs answered otherwise than expected);
+    ``dense_twin_agreement`` and ``identical_when_dense`` from the phase that ran the twins
+    (``dense_twins_phase``; ``identical_when_dense`` is False when any phase found a
+    difference); ``ok`` only when every phase wrote an ok report; ``failures`` tagged with the
+    phase; ``phases``: name -> {``server_flags`` (its --launch), ``report``}."""
+    merged: dict[str, Any] = {"model": model, "commit": commit, "gpu": gpu, "note": note,
+                              "requests": 0, "crashes": 0, "leaks": None}
+    errors: dict[str, Any] = {"unexpected": [], "log_tracebacks": 0, "bad_inputs": [],
+                              "count": 0}
+    failures: list[str] = []
+    twins_phase, agreement, identical = None, None, None
+    out_phases: dict[str, Any] = {}
+    for name, report in phases.items():
+        if report is None:
+            failures.append(f"{name}: no report (the phase did not finish)")
+            out_phases[name] = {"server_flags": None, "report": None}
+            continue
+        merged["requests"] += report.get("requests") or 0
+        merged["crashes"] += report.get("crashes") or 0
+        if report.get("leaks") is not None:
+            merged["leaks"] = (merged["leaks"] or 0) + report["leaks"]
+        errs = report.get("errors") or {}
+        errors["unexpected"] += [f"{name}: {e}" for e in errs.get("unexpected", [])]
+        errors["log_tracebacks"] += errs.get("log_tracebacks") or 0
+        errors["bad_inputs"] += [{"phase": name, **b} for b in errs.get("bad_inputs", [])]
+        failures += [f"{name}: {f}" for f in report.get("failures", [])]
+        if not report.get("ok") and not report.get("failures"):
+            failures.append(f"{name}: report not ok")
+        if "dense_twin_agreement" in report and twins_phase is None:
+            twins_phase, agreement = name, report["dense_twin_agreement"]
+        if report.get("identical_when_dense") is not None:
+            identical = report["identical_when_dense"] if identical is None \
+                else identical and report["identical_when_dense"]
+        out_phases[name] = {"server_flags": (report.get("config") or {}).get("launch"),
+                            "report": report}
+    errors["count"] = (len(errors["unexpected"]) + errors["log_tracebacks"]
+                       + sum(1 for b in errors["bad_inputs"] if not b.get("ok")))
+    merged.update(errors=errors, dense_twin_agreement=agreement, identical_when_dense=identical,
+                  dense_twins_phase=twins_phase, ok=not failures, failures=failures,
+                  phases=out_phases)
+    return merged
+
+
+def merge_main(args: argparse.Namespace) -> int:
+    """``--merge NAME=REPORT ...``: a missing or unreadable report counts as a failed phase."""
+    phases: dict[str, Optional[dict[str, Any]]] = {}
+    for item in args.merge:
+        name, sep, path = item.partition("=")
+        if not sep:
+            name, path = os.path.splitext(os.path.basename(item))[0], item
+        try:
+            with open(path) as f:
+                phases[name] = json.load(f)
+        except (OSError, ValueError):
+            phases[name] = None
+    merged = merge_reports(phases, model=args.model, commit=git_commit(), gpu=gpu_name(),
+                           note=args.note)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(merged, f, indent=1)
+        f.write("\n")
+    print(json.dumps({k: merged[k] for k in ("requests", "crashes", "leaks", "ok",
+                                             "identical_when_dense", "failures")}, indent=1))
+    return 0 if merged["ok"] else 1
+
+
 def log_findings(text: str) -> dict[str, Any]:
     return {
         "tracebacks": text.count("Traceback"),
@@ -577,6 +677,17 @@ def stop(proc: Optional[subprocess.Popen]) -> None:
             proc.wait()
 
 
+def stop_on_sigterm(proc: Optional[subprocess.Popen]) -> None:
+    """On SIGTERM (e.g. ``timeout`` around a phase of benchmarks/device/soak_real.sh), stop the
+    launched server (its own session: it would outlive this process) and exit."""
+    def handler(signum: int, frame: Any) -> None:
+        stop(proc)
+        os._exit(128 + signum)
+
+    if proc is not None:
+        signal.signal(signal.SIGTERM, handler)
+
+
 def wait_healthy(url: str, proc: Optional[subprocess.Popen], timeout: float) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -608,6 +719,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--abort-frac", type=float, default=0.1)
     ap.add_argument("--shared", type=float, default=0.2, help="share of shared-prefix requests")
+    ap.add_argument("--non-stream-frac", type=float, default=0.0,
+                    help="share of the plain, shared and API-aborted requests sent without "
+                         "streaming (drawn with their own seed: 0 leaves the plan unchanged)")
     ap.add_argument("--reference", type=int, default=4, help="prompts checked against an idle run")
     ap.add_argument("--dense-launch", default=None, metavar="ARGS",
                     help="launch_server arguments of a dense-attention server (e.g. the same model "
@@ -640,7 +754,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--out",
                     default=os.path.join(REPO, "benchmarks", "results", "serving", "soak.json"))
+    ap.add_argument("--merge", nargs="+", default=None, metavar="NAME=REPORT",
+                    help="merge these reports (each a phase of one soak, on its own server) into "
+                         "--out instead of running one; see merge_reports")
+    ap.add_argument("--model", default=None, help="with --merge: the model, in the merged report")
+    ap.add_argument("--note", default=None, help="with --merge: a note in the merged report")
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge_main(args)
+    if not args.non_stream_frac >= 0.0 or args.non_stream_frac > 1.0:
+        ap.error("--non-stream-frac must be in [0, 1]")
     if not args.url and not args.launch:
         ap.error("give --url or --launch")
 
@@ -662,12 +785,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                    for _ in range(args.dense_reference)]
         dense_log = os.path.splitext(log_path)[0] + "_dense.log"
         proc = launch(args.dense_launch, dense_log, args.port)
+        stop_on_sigterm(proc)
         try:
             wait_healthy(url, proc, args.startup_timeout)
             dense_refs = [(p, reference_run(url, p, args.max_new_tokens)) for p in prompts]
         finally:
             stop(proc)
     proc = launch(args.launch, log_path, args.port) if args.launch else None
+    stop_on_sigterm(proc)
     try:
         wait_healthy(url, proc, args.startup_timeout)
         report = soak(url, args, lines, dense_refs)
@@ -753,6 +878,13 @@ def soak(url: str, args: argparse.Namespace, lines: list[str],
         o.skipped = True
         return o
 
+    # Which requests go without streaming: their own generator, so the plan above (and every
+    # run without --non-stream-frac) stays as it was.
+    stream_rng = random.Random(args.seed + 3)
+    blocking = {i for i, (kind, _) in enumerate(plan)
+                if kind in ("plain", "shared", "abort-api")
+                and stream_rng.random() < args.non_stream_frac}
+
     outcomes: list[Outcome] = []
     bar = tqdm(total=len(plan), desc="soak", unit="req", file=sys.stderr,
                # a log file (the GPU runs) gets a line every 30 s instead of a live bar
@@ -760,7 +892,7 @@ def soak(url: str, args: argparse.Namespace, lines: list[str],
     with ThreadPoolExecutor(args.concurrency) as pool:
         futures = []
         for i, (kind, prompt) in enumerate(plan):
-            outcome = Outcome(index=i, kind=kind)
+            outcome = Outcome(index=i, kind=kind, stream=i not in blocking)
             futures.append(pool.submit(
                 lambda o=outcome, p=prompt, i=i: (
                     run_one(url, o, p, args.max_new_tokens if not o.kind.startswith("abort")
@@ -832,12 +964,14 @@ def soak(url: str, args: argparse.Namespace, lines: list[str],
         kinds[o.kind] = kinds.get(o.kind, 0) + 1
     rows = [{"index": o.index, "kind": o.kind, "prompt_tokens": o.prompt_tokens,
              "output_tokens": len(o.output_ids), "finish_reason": o.finish_reason,
-             "error": o.error, "seconds": round(o.seconds, 2), "skipped": o.skipped}
+             "error": o.error, "seconds": round(o.seconds, 2), "skipped": o.skipped,
+             "stream": o.stream}
             for o in outcomes]
     return {
         "rows": rows,
         "config": {k: v for k, v in vars(args).items() if k not in ("url",)},
         "kinds": kinds,
+        "non_streaming": sum(1 for o in outcomes if not o.stream and not o.skipped),
         "completed": sum(1 for o in outcomes if o.finish_reason and not o.kind.startswith("abort")),
         "skipped": skipped,
         "aborted": sum(1 for o in outcomes if o.kind.startswith("abort") and not o.skipped),

@@ -5,10 +5,10 @@
 # Usage: bash benchmarks/device/run.sh COMMIT STEP...
 #   steps: env fi-warmup fi-wait fi-pack gputests clock operator rerank-operator mla-operator sparse-attention
 #   tier fluxion transfer server e2e soak capacity locality profile tp2-greedy mla-e2e pack-logs
-#   gguf-part smollm2 fidelity refactor
+#   gguf-part smollm2 fidelity refactor soak-real
 #   (tp2-greedy: on nvidia-h200-x2; real weights: gguf-part in consecutive warm calls, then
 #   smollm2 and fidelity, see ../shared/gpu/README.md; refactor: carry .before from
-#   benchmarks/device/export_before.sh)
+#   benchmarks/device/export_before.sh; soak-real: after smollm2, benchmarks/device/soak_real.sh)
 # gputests: GPUTESTS_K (a pytest -k expression), GPUTESTS_ARGS (more pytest words), GPUTESTS_SECONDS
 # operator, server and fidelity run benchmarks/run.py (what the Makefile's bench-* targets call).
 # Wheels in .whl/ (carried, git-ignored; e.g. prometheus_client for --enable-metrics, which the
@@ -269,6 +269,7 @@ for step in "$@"; do
     fi-wait)
       # the warm-up servers hold GPU memory: a heavy step after fi-warmup waits for them
       [ ${#warmups[@]} -gt 0 ] && wait "${warmups[@]}"; warmups=() ;;
+    soak-real) bash benchmarks/device/soak_real.sh || status=1 ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
 done
