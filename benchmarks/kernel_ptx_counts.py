@@ -7,6 +7,7 @@ of the pipelined tile loop (the basic block its back edge jumps to), with the mo
 opcodes. Integer arguments get the divisibility-by-16 hints a real launch gives them.
 
     python benchmarks/kernel_ptx_counts.py [--precisions tc,tc_fp16] [--json OUT]
+    python benchmarks/kernel_ptx_counts.py --shared 128x576 4x128   # the launch's shared memory
 """
 
 from __future__ import annotations
@@ -29,22 +30,47 @@ DIVISIBLE = ("Q", "KMIN", "KMAX", "REQ_TO_TOKEN", "REQ_POOL_INDICES", "SEQ_LENS"
              "stride_ob", "stride_oh")
 
 
-def block_score_ptx(precision: str) -> str:
+def compile_block_scores(precision: str, shapes: dict, num_stages: int,
+                         summaries: str = "*fp8e4nv"):
+    """The block-score kernel compiled for sm_90 at these constexpr shapes (no GPU needed)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from sglang_ext.kernels.block_scores import TC_NUM_STAGES, _quest_block_scores_kernel
+    from sglang_ext.kernels.block_scores import _quest_block_scores_kernel
 
-    constexprs = dict(QWEN3_8B, PRECISION=precision)
-    signature = dict(SIGNATURE, **{name: "constexpr" for name in constexprs})
+    constexprs = dict(shapes, PRECISION=precision)
+    signature = dict(SIGNATURE, KMIN=summaries, KMAX=summaries,
+                     **{name: "constexpr" for name in constexprs})
     names = list(SIGNATURE)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
     source = ASTSource(_quest_block_scores_kernel, signature=signature, constexprs=constexprs,
                        attrs=attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=4, num_stages=TC_NUM_STAGES))
-    return compiled.asm["ptx"]
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, num_stages=num_stages))
+
+
+def block_score_ptx(precision: str) -> str:
+    from sglang_ext.kernels.block_scores import TC_NUM_STAGES
+
+    return compile_block_scores(precision, QWEN3_8B, TC_NUM_STAGES).asm["ptx"]
+
+
+def launch_shared_bytes(group: int, head_dim: int, block_size: int = 16) -> int:
+    """Shared memory of the tensor-core launch the wrapper makes for bf16 summaries at this
+    GQA group and head dim (its tiling and stage choice), compiled for sm_90."""
+    import triton
+
+    from sglang_ext.kernels.block_scores import TC_BLOCK_NB, tc_num_stages
+    from sglang_ext.kernels.sparse_attention import head_dim_tiling
+
+    block_d, d_chunks = head_dim_tiling(head_dim)
+    shapes = dict(QWEN3_8B, BLOCK_SIZE=block_size, GROUP=group,
+                  GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+                  BLOCK_D=block_d, D_CHUNKS=d_chunks, BLOCK_NB=TC_BLOCK_NB, TILES_PER_PROGRAM=1)
+    compiled = compile_block_scores("tc", shapes, tc_num_stages(group, block_d, d_chunks),
+                                    summaries="*bf16")
+    return int(compiled.metadata.shared)
 
 
 def loop_instructions(ptx: str) -> collections.Counter:
@@ -77,7 +103,20 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--precisions", default="tc,tc_fp16")
     p.add_argument("--json", default=None, help="write the counts here")
+    p.add_argument("--shared", nargs="+", default=None, metavar="GROUPxDIM",
+                   help="instead: the launch's shared memory at these query heads per kv head "
+                   "and head dims (e.g. 128x576, DeepSeek-V3's MLA at TP 1)")
     args = p.parse_args(argv)
+    if args.shared:
+        shared = {}
+        for shape in args.shared:
+            group, head_dim = (int(x) for x in shape.split("x"))
+            shared[shape] = launch_shared_bytes(group, head_dim)
+            print(f"{shape:10s} {shared[shape]:7d} bytes of shared memory", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(target="sm90", shared_bytes=shared), f, indent=1)
+        return 0
     out = {}
     for precision in args.precisions.split(","):
         ops = loop_instructions(block_score_ptx(precision))

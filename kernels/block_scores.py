@@ -63,6 +63,8 @@ TC_BLOCK_NB = 32
 # (sparse_attention_h200_fp8_summaries_128k.json, _layout_128k.json).
 TC_BLOCK_NB_FP8 = 64
 TC_NUM_STAGES = 3
+# the split query's shared-memory bytes up to which the tensor-core launch is pipelined
+TC_PIPELINED_Q_BYTES = 128 * 1024
 MAX_TILES_PER_PROGRAM = 4
 MIN_PROGRAMS_PER_SM = 4
 # the largest finite fp16 value: "tc_fp16" clamps q to it before rounding q to fp16
@@ -74,6 +76,18 @@ TENSOR_CORE_PRECISIONS = ("tc", "tc_fp16")
 def tc_block_nb(summary_dtype: torch.dtype) -> int:
     """Blocks per tile of the tensor-core launch for summaries of this dtype."""
     return TC_BLOCK_NB_FP8 if summary_dtype == FP8_SUMMARIES else TC_BLOCK_NB
+
+
+def tc_num_stages(group: int, block_d: int, d_chunks: int) -> int:
+    """Pipeline stages of the tensor-core launch. A pipelined loop keeps the group's split
+    query (its positive and negative parts, every head-dim chunk, 16-bit) in shared memory
+    beside the staged summaries: at 128 query heads on a 576-dim MLA latent head that alone is
+    295 KB, over the H200's 227 KB (sm_90 compile: 305 KB at 3 stages, 56 KB at 1). Groups
+    whose split query exceeds ``TC_PIPELINED_Q_BYTES`` run unpipelined; every measured
+    configuration (GQA groups of 4-8 at 128 dims, MLA at 16 heads) keeps ``TC_NUM_STAGES``."""
+    group_pad = max(16, triton.next_power_of_2(group))
+    split_q_bytes = 2 * group_pad * block_d * d_chunks * 2
+    return TC_NUM_STAGES if split_q_bytes <= TC_PIPELINED_Q_BYTES else 1
 
 
 def default_tiles_per_program(batch: int, head_programs: int, block_tiles: int,
@@ -340,7 +354,7 @@ def quest_block_scores_batched(
     query heads of at most 256 dims and "ieee" for the others. ``block_nb``: blocks per program
     (default: :func:`tc_block_nb` for "tc", 64 for 2-byte summaries with "fma", otherwise 32);
     ``num_warps`` / ``num_stages``: the launch's (default: 4 warps for "tc" or small tiles, else
-    8; ``TC_NUM_STAGES`` for "tc", else Triton's default stages). ``heads_per_program`` (a
+    8; :func:`tc_num_stages` for "tc", else Triton's default stages). ``heads_per_program`` (a
     divisor of Hkv): kv heads one program scores (sharing its page lookups, reading each
     page's summaries of those heads as one run);
     ``heads_fastest``: the grid's fastest dimension is the kv heads, so the programs of one
@@ -396,7 +410,7 @@ def quest_block_scores_batched(
         block_nb = tc_block_nb(kmin.dtype) if precision in TENSOR_CORE_PRECISIONS else \
             64 if kmin.element_size() == 2 and precision == "fma" else 32
     if num_stages is None and precision in TENSOR_CORE_PRECISIONS:
-        num_stages = TC_NUM_STAGES
+        num_stages = tc_num_stages(group, block_d, d_chunks)
     block_nb = min(block_nb, max(16, triton.next_power_of_2(max_blocks)))
     if heads_per_program < 1 or num_kv_heads % heads_per_program:
         raise ValueError(f"heads_per_program {heads_per_program} must divide Hkv={num_kv_heads}")

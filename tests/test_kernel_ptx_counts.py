@@ -25,3 +25,22 @@ def test_fp16_operands_drop_the_per_value_bf16_conversions(tmp_path: Path):
     mma = lambda ops: sum(n for op, n in ops.items() if op.startswith("mma"))
     assert mma(tc) == mma(fp16) > 0
     assert counts["tc_fp16"]["loop_instructions"] < counts["tc"]["loop_instructions"]
+
+
+# the H200's (sm_90) shared memory per block, opt-in maximum
+SM90_SHARED_BYTES = 232448
+
+
+def test_tensor_core_block_scores_fit_shared_memory_at_large_groups(tmp_path: Path):
+    """The tensor-core bound's launch fits sm_90's shared memory at every group the server may
+    meet: GQA groups of 4 and 128 at 128 dims, MLA's 576-dim latent head at 16 (DeepSeek-V2-Lite),
+    64 and 128 query heads (DeepSeek-V3 at TP 2 and 1). At 128 x 576 with three pipeline
+    stages it asked for 305 KB and failed to launch on the H200 (tc_num_stages)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "shared.json"
+    shapes = ["4x128", "128x128", "16x576", "64x576", "128x576"]
+    subprocess.run([sys.executable, "benchmarks/kernel_ptx_counts.py", "--shared", *shapes,
+                    "--json", str(out)], cwd=REPO, env=env, check=True, timeout=600)
+    shared = json.loads(out.read_text())["shared_bytes"]
+    assert set(shared) == set(shapes)
+    assert all(0 < b <= SM90_SHARED_BYTES for b in shared.values()), shared
