@@ -65,6 +65,8 @@ def add_case_args(p: argparse.ArgumentParser) -> None:
                    help="two_level candidate blocks (0 = the server's automatic value)")
     p.add_argument("--rerank", type=int, default=0,
                    help="--sparse-rerank's factor for ds / two_level (0 = off)")
+    p.add_argument("--prefilter", type=int, default=0,
+                   help="--sparse-block-prefilter's factor for two_level by label_max (0 = off)")
 
 
 def parse_args(argv=None):
@@ -280,7 +282,13 @@ def selection_params(args):
                            args.window, label_dtype=args.label_dtype,
                            summary_dtype=SUMMARY_PARAM[args.summary_dtype],
                            block_score=args.block_score if args.method == "two_level"
-                           else "bound", rerank=rerank)
+                           else "bound", rerank=rerank, prefilter=prefilter_factor(args))
+
+
+def prefilter_factor(args) -> int:
+    """--prefilter where the cascade applies (two_level by label_max), else 0."""
+    applies = args.method == "two_level" and args.block_score == "label_max"
+    return args.prefilter if applies else 0
 
 
 SUMMARY_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp8": "float8_e4m3fn"}
@@ -293,7 +301,7 @@ def selection_config(params) -> dict:
     return {"method": params.method, "budget": params.budget, "block_size": params.block_size,
             "sink": params.sink, "window": params.window,
             "candidate_blocks": params.candidate_blocks, "block_score": params.block_score,
-            "rerank": params.rerank}
+            "rerank": params.rerank, "prefilter": params.prefilter}
 
 
 def summary_bytes_per_value(name: str) -> int:
@@ -592,7 +600,8 @@ def run_check(args) -> bool:
         params = SelectionParams(method, base.budget, bs, base.candidate_blocks, base.sink,
                                  base.window, summary_dtype=base.summary_dtype,
                                  block_score=base.block_score if method == "two_level"
-                                 else "bound", rerank=base.rerank if method != "quest" else 0)
+                                 else "bound", rerank=base.rerank if method != "quest" else 0,
+                                 prefilter=base.prefilter if method == "two_level" else 0)
         for use_channels in (False, True):
             gen = case_generator("bench-check", method, use_channels)
             pb = make_paged_batch(gen, lens, HKV, HEAD_DIM, bs, dtype=torch.bfloat16,

@@ -90,17 +90,17 @@ class NeedleRecallAttention:
 
 def recommended_params(context: int, budget_share: int, block_size: int,
                        block_score: str = "auto", candidate_scale: float = 1.0,
-                       rerank: int = 0) -> SelectionParams:
+                       rerank: int = 0, prefilter: int = 0) -> SelectionParams:
     """two_level as a server with these flags selects it (sink and window shrunk for small
     budgets as in the accuracy suite); ``candidate_scale`` times the automatic filter."""
     budget = context // budget_share
     sink, window = shrunk_sink_window(budget)
     cfg = build_config(budget=budget, block_size=block_size, sink=sink, window=window,
-                       block_score=block_score, rerank=rerank)
+                       block_score=block_score, rerank=rerank, prefilter=prefilter)
     return SelectionParams("two_level", cfg.budget, cfg.block_size,
                            max(1, round(candidate_scale * cfg.effective_candidate_blocks)),
                            cfg.sink, cfg.window, block_score=cfg.effective_block_score,
-                           rerank=cfg.rerank)
+                           rerank=cfg.rerank, prefilter=cfg.prefilter)
 
 
 @torch.inference_mode()
@@ -159,6 +159,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "label_max_rerank4": recommended_params(args.context, args.budget_share,
                                                 args.block_size, rerank=4),
         "ds_rerank4": dataclasses.replace(two_level, method="ds", block_score="bound", rerank=4),
+        # the block filter's cascade (--sparse-block-prefilter 4)
+        "label_max_prefilter4": recommended_params(args.context, args.budget_share,
+                                                   args.block_size, prefilter=4),
+        "label_max_prefilter4_rerank4": recommended_params(args.context, args.budget_share,
+                                                           args.block_size, rerank=4,
+                                                           prefilter=4),
     }
     recall = needle_recall(args.model_dir, settings, args.tasks, args.context, args.samples)
     for name, value in recall.items():

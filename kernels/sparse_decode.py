@@ -516,6 +516,8 @@ class SparseDecodeWorkspace:
         # rerank (kernels/rerank.py) cuts to params.budget.
         self.selection_params = shortlist_selection(params) if params.rerank else params
         self.mode, self.k_blocks, self.k_tokens = selection_sizes(self.selection_params)
+        # the cascade (params.prefilter): the bound's pages that the label maximum then ranks
+        self.k_prefilter = prefilter_blocks(self.selection_params)
         self.scatter_selected = (scatter_selected and self.fuse_assemble
                                  and self.mode == _MODE_CAND_TOKENS)
 
@@ -527,6 +529,11 @@ class SparseDecodeWorkspace:
         if self.k_blocks:
             self.block_scores = torch.empty(*shape, max_blocks, dtype=f32, **kw)
             self.top_blocks = torch.empty(*shape, self.k_blocks, dtype=i32, **kw)
+        self.prefilter_top = self.prefilter_scores = self.prefilter_pick = None
+        if self.k_prefilter:
+            self.prefilter_top = torch.empty(*shape, self.k_prefilter, dtype=i32, **kw)
+            self.prefilter_scores = torch.empty(*shape, self.k_prefilter, dtype=f32, **kw)
+            self.prefilter_pick = torch.empty(*shape, self.k_blocks, dtype=i32, **kw)
         if self.k_tokens:
             num_cand = self.k_blocks if self.mode == _MODE_CAND_TOKENS else max_blocks
             self.token_scores = torch.empty(*shape, num_cand * bs, dtype=f32, **kw)
@@ -604,14 +611,22 @@ def _token_keys(k_buffer: Tensor, labels: Tensor | None, channels: Tensor | None
     return k_buffer, False
 
 
+def prefilter_blocks(params: SelectionParams) -> int:
+    """How many pages the cascade's bound keeps for the label maximum to rank (0: no cascade)."""
+    if not params.prefilter or params.block_score != "label_max":
+        return 0
+    return params.prefilter * selection_sizes(params).k_blocks
+
+
 def _block_scores(q: Tensor, cache: LayerCache, rows: DecodeRows, ws: SparseDecodeWorkspace,
-                  tok_keys: Tensor | None, from_labels: bool) -> Tensor:
-    """The batch's block scores (``params.block_score``), into the workspace's buffer: Quest's
-    bound from the page summaries, or each block's largest label score over its middle tokens
+                  tok_keys: Tensor | None, from_labels: bool, bound: bool = False) -> Tensor:
+    """The batch's block scores (``params.block_score``, or the bound with ``bound``), into the
+    workspace's buffer: Quest's bound from the page summaries, or each block's largest label
+    score over its middle tokens
     (:func:`~sglang_ext.kernels.token_scores.label_max_block_scores_batched`)."""
     p = ws.selection_params
     batch = q.shape[0]
-    if p.block_score == "label_max":
+    if p.block_score == "label_max" and not bound:
         return label_max_block_scores_batched(
             q, tok_keys, rows.req_to_token, rows.req_pool_indices, rows.seq_lens, p.block_size,
             p.sink, p.window, ws.max_blocks, channels=cache.channels,
@@ -624,6 +639,30 @@ def _block_scores(q: Tensor, cache: LayerCache, rows: DecodeRows, ws: SparseDeco
         p.block_size, p.sink, p.window, ws.max_blocks, out=ws.block_scores[:batch],
         precision=ws.block_score_precision,
     )
+
+
+def _cascade_candidates(q: Tensor, cache: LayerCache, rows: DecodeRows,
+                        ws: SparseDecodeWorkspace, tok_keys: Tensor, from_labels: bool,
+                        k_block_rows: Tensor | None) -> Tensor:
+    """The cascade's block filter (``params.prefilter``): Quest's bound keeps ``k_prefilter``
+    pages, the label maximum scores only those and keeps ``k_blocks`` of them. Returns their
+    block ids, int32 ``[B, Hkv, k_blocks]`` in ascending order, ``-1`` padded (what the block
+    top-k gives without the cascade)."""
+    p = ws.selection_params
+    batch = q.shape[0]
+    bound = _block_scores(q, cache, rows, ws, tok_keys, from_labels, bound=True)
+    pre = topk_masked(bound, ws.k_prefilter, out=ws.prefilter_top[:batch], impl=ws.topk_impl,
+                      radix_bits=ws.block_topk_radix_bits)
+    label_max = label_max_block_scores_batched(
+        q, tok_keys, rows.req_to_token, rows.req_pool_indices, rows.seq_lens, p.block_size,
+        p.sink, p.window, ws.max_blocks, channels=cache.channels,
+        out=ws.prefilter_scores[:batch], keys_are_labels=from_labels, cand=pre)
+    pick = topk_masked(label_max, ws.k_blocks, out=ws.prefilter_pick[:batch],
+                       impl=ws.topk_impl, radix_bits=ws.block_topk_radix_bits,
+                       k_rows=k_block_rows)
+    top = ws.top_blocks[:batch]
+    torch.gather(pre, 2, pick.clamp(min=0).long(), out=top)
+    return top.masked_fill_(pick < 0, -1)
 
 
 def _with_contiguous_channels(cache: LayerCache, device: torch.device) -> LayerCache:
@@ -656,6 +695,10 @@ def _check_inputs(params: SelectionParams, reranked: SelectionParams, ws: Sparse
     if inputs.tiered and ws.mode not in (_MODE_BLOCKS, _MODE_CAND_TOKENS):
         raise ValueError(f"the CPU tier needs a block filter (quest or two_level), not "
                          f"{params.method}")
+    if ws.k_prefilter and (inputs.tiered or inputs.locality is not None
+                           or inputs.attend_blocks is not None):
+        raise ValueError("the cascade (prefilter) does not combine with the tier or the "
+                         "locality constraint")
     if params.block_score == "label_max" and inputs.page_map is not None:
         raise ValueError("the label-max block filter scores resident keys only: not with the "
                          "CPU tier's page map")
@@ -725,6 +768,11 @@ def select_slots_batched(
         tok_keys, from_labels = _token_keys(k_buffer, cache.labels, channels, page_map, params)
     if inputs.candidates is not None:
         top = cand = inputs.candidates
+    elif ws.k_prefilter:
+        top = cand = _cascade_candidates(q, cache, rows, ws, tok_keys, from_labels,
+                                         k_block_rows)
+        if inputs.on_blocks is not None:
+            inputs.on_blocks(top)
     elif ws.k_blocks:
         scores = _block_scores(q, cache, rows, ws, tok_keys, from_labels)
         if locality is not None:

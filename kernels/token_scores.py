@@ -212,6 +212,7 @@ def label_max_block_scores_batched(
     keys_are_labels: bool = False,
     tokens_per_program: int = LABEL_MAX_TOKENS,
     num_warps: int = LABEL_MAX_WARPS,
+    cand: Tensor | None = None,
 ) -> Tensor:
     """The label-max block filter's scores: each block's largest label score over its middle
     tokens, float32 ``[B, Hkv, num_blocks]`` (``-inf`` for blocks with no middle token), what
@@ -219,12 +220,15 @@ def label_max_block_scores_batched(
     tokens gives, in one pass that writes no token score. Pages must be blocks
     (``page_size == block_size``): a block's tokens are read from its first slot's page.
     Arguments as for :func:`label_token_scores_batched`; ``tokens_per_program`` (a power of
-    two, at least the block size) and ``num_warps``: the launch (the result is the same)."""
+    two, at least the block size) and ``num_warps``: the launch (the result is the same).
+    ``cand`` (int ``[B, Hkv, C]`` block ids, ``-1`` = none): score only these blocks, into
+    ``[B, Hkv, C]`` (the cascade's second stage, ``SelectionParams.prefilter``)."""
+    num_scored = num_blocks if cand is None else cand.shape[2]
     if out is None:
-        out = torch.empty(q.shape[0], k_buffer.shape[1], num_blocks, dtype=torch.float32,
+        out = torch.empty(q.shape[0], k_buffer.shape[1], num_scored, dtype=torch.float32,
                           device=q.device)
-    _launch_token_scores(q, k_buffer, req_to_token, req_pool_indices, seq_lens, None,
-                         block_size, sink, window, channels, num_blocks, out, None, None,
+    _launch_token_scores(q, k_buffer, req_to_token, req_pool_indices, seq_lens, cand,
+                         block_size, sink, window, channels, num_scored, out, None, None,
                          None, keys_are_labels, None, None, block_max=True,
                          block_t=max(block_size, tokens_per_program), num_warps=num_warps)
     return out

@@ -81,6 +81,7 @@ class SparseConfig:
     block_filter: str = "sync"  # AsyncTLS's one-step-ahead block filter: see BLOCK_FILTER_MODES
     block_score: str = "auto"  # how the block filter ranks blocks: see BLOCK_SCORE_MODES
     rerank: int = 0  # exact q.k reranks rerank x the label-picked tokens (0 = off)
+    prefilter: int = 0  # the bound keeps prefilter x the candidate blocks for label_max (0 = off)
 
     @property
     def keeps_label_cache(self) -> bool:
@@ -258,6 +259,12 @@ _FLAGS: tuple[tuple[str, str, str, str], ...] = (
      "context, SmolLM2). Costs reading FACTOR x the selected tokens' keys once more. 0 = off; "
      "else >= 2; ds and two_level, not with the tier, the locality constraint, the guard or "
      "the async block filter."),
+    ("prefilter", "--sparse-block-prefilter", "FACTOR",
+     "The block filter's cascade: Quest's bound (cheap) keeps FACTOR times "
+     "--sparse-candidate-blocks pages, and the label maximum ranks only those to keep the "
+     "candidates (it kept the label maximum's needle recall at FACTOR 2 to 8 on real weights). "
+     "0 = off; else >= 2; needs the label_max block filter (--sparse-block-score label_max, or "
+     "auto where it resolves to label_max)."),
     ("cooperative_threads", "--sparse-cooperative-threads", "THREADS",
      "CPU worker threads of --sparse-cooperative (0 = half of the cores this process may use, "
      "at least 1, at most 8)."),
@@ -349,6 +356,16 @@ def _validate_rerank(cfg: SparseConfig, fail: Callable[[str, str], None]) -> Non
              "--sparse-guard-every or --sparse-block-filter async yet")
 
 
+def _validate_prefilter(cfg: SparseConfig, fail: Callable[[str, str], None]) -> None:
+    if cfg.prefilter < 0 or cfg.prefilter == 1:
+        fail("prefilter", "must be 0 (off) or >= 2 (the bound keeps FACTOR x the candidate "
+             "blocks)")
+    if cfg.prefilter and cfg.effective_block_score != "label_max":
+        fail("prefilter", "narrows the label_max block filter: it needs --sparse-method "
+             "two_level with --sparse-block-score label_max or auto, and no --sparse-tier, "
+             "--sparse-locality-blocks or --sparse-block-filter async")
+
+
 def _validate(cfg: SparseConfig) -> None:
     def fail(field: str, why: str) -> None:
         raise ConfigError(f"{_FLAG_BY_FIELD[field]} {why} (got {getattr(cfg, field)!r})")
@@ -436,6 +453,7 @@ def _validate(cfg: SparseConfig) -> None:
         fail("block_score", "label_max needs --sparse-method two_level, and no --sparse-tier, "
              "--sparse-locality-blocks or --sparse-block-filter async")
     _validate_rerank(cfg, fail)
+    _validate_prefilter(cfg, fail)
     if cfg.guard_every < 0:
         fail("guard_every", "must be >= 0 (0 = off)")
     if not 0.0 < cfg.guard_recall < 1.0:

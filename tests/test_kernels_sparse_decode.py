@@ -510,6 +510,16 @@ def test_gpu_cuda_graph_replay(method):
         torch.testing.assert_close(static_out, eager, rtol=0, atol=0)
 
 
+def _gpu_dyadic_case(*tag):
+    """A Qwen3-8B layer's batch at GPU_LENS (block 16), dyadic q/k (exact scores), 16 label
+    channels: (batch, q, channels)."""
+    gen = case_generator(*tag)
+    pb = make_paged_batch(gen, GPU_LENS, 8, 128, 16, dtype=torch.bfloat16, device="cuda",
+                          summary_chunks=4, dyadic=True)
+    q = random_values(gen, 4, 32, 128, dtype=torch.bfloat16, device="cuda", dyadic=True)
+    return pb, q, _channels(gen, 8, 128, 16, "cuda")
+
+
 @pytest.mark.parametrize("method", ["ds", "two_level", "two_level_label_max"])
 @pytest.mark.parametrize("rerank", [2, 3])
 def test_exact_rerank_matches_reference(method, rerank):
@@ -518,18 +528,24 @@ def test_exact_rerank_matches_reference(method, rerank):
     whole) and past it."""
     label_max = method.endswith("_label_max")
     method = method.removesuffix("_label_max")
-    hq, hkv, head_dim, bs, sink, window, budget = 6, 2, 32, 4, 3, 5, 24
+    bs, sink, window, budget = 4, 3, 5, 24
     n_sel = budget - sink - window
     params = SelectionParams(method, budget, bs, 2 * n_sel // bs, sink, window, rerank=rerank,
                              block_score="label_max" if label_max else "bound")
     wide = budget + min(rerank * n_sel, params.candidate_blocks * bs
                         if method == "two_level" else rerank * n_sel) - n_sel
     lens = [budget, budget + 7, wide, wide + 1, 97]
-    gen = case_generator("decode-rerank", method, label_max, rerank)
-    pb = make_paged_batch(gen, lens, hkv, head_dim, bs, dtype=torch.float32, device=DEVICE,
-                          summary_chunks=3)
-    q = random_values(gen, len(lens), hq, head_dim, dtype=torch.float32, device=DEVICE)
-    channels = _channels(gen, hkv, head_dim, 5, DEVICE)
+    _check_small_fp32(params, lens, "decode-rerank", method, label_max, rerank)
+
+
+def _check_small_fp32(params, lens, *tag):
+    """6 query / 2 kv heads of 32 dims, fp32, 5 label channels: the kernels' sets and outputs
+    against the oracle's."""
+    gen = case_generator(*tag)
+    pb = make_paged_batch(gen, lens, 2, 32, params.block_size, dtype=torch.float32,
+                          device=DEVICE, summary_chunks=3)
+    q = random_values(gen, len(lens), 6, 32, dtype=torch.float32, device=DEVICE)
+    channels = _channels(gen, 2, 32, 5, DEVICE)
     _run_and_check(pb, q, params, channels, dtype=torch.float32)
 
 
@@ -539,12 +555,33 @@ def test_exact_rerank_matches_reference(method, rerank):
 def test_gpu_exact_rerank_real_shapes(method):
     """Qwen3-8B layer, L 32k, budget 2048, 4x rerank, dyadic q/k (exact scores): the reference's
     sets."""
-    gen = case_generator("gpu-decode-rerank", method)
-    pb = make_paged_batch(gen, GPU_LENS, 8, 128, 16, dtype=torch.bfloat16, device="cuda",
-                          summary_chunks=4, dyadic=True)
-    q = random_values(gen, 4, 32, 128, dtype=torch.bfloat16, device="cuda", dyadic=True)
-    channels = _channels(gen, 8, 128, 16, "cuda")
+    pb, q, channels = _gpu_dyadic_case("gpu-decode-rerank", method)
     params = dataclasses.replace(_gpu_params(method), rerank=4)
     if method == "two_level":
         params = dataclasses.replace(params, candidate_blocks=4 * params.candidate_blocks)
+    _run_and_check(pb, q, params, channels)
+
+
+@pytest.mark.parametrize("prefilter", [2, 3])
+@pytest.mark.parametrize("rerank", [0, 2])
+def test_cascade_matches_reference(prefilter, rerank):
+    """--sparse-block-prefilter: the bound keeps prefilter x candidates pages, the label
+    maximum ranks only those; the kernels select the oracle's sets, for contexts whose blocks
+    all survive the bound and for longer ones."""
+    bs, sink, window, budget = 4, 3, 5, 24
+    n_sel = budget - sink - window
+    params = SelectionParams("two_level", budget, bs, 2 * n_sel // bs, sink, window,
+                             block_score="label_max", prefilter=prefilter, rerank=rerank)
+    _check_small_fp32(params, [budget + 7, 61, 97, 150], "decode-cascade", prefilter, rerank)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("rerank", [0, 4])
+def test_gpu_cascade_real_shapes(rerank):
+    """Qwen3-8B layer, L 32k, budget 2048, cascade x2 (and 4x rerank), dyadic q/k (exact
+    scores): the reference's sets."""
+    pb, q, channels = _gpu_dyadic_case("gpu-decode-cascade", rerank)
+    params = dataclasses.replace(_gpu_params("two_level"), block_score="label_max",
+                                 prefilter=2, rerank=rerank)
     _run_and_check(pb, q, params, channels)

@@ -23,9 +23,11 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _settings(bs: int) -> list:
-    """The server's default, a smaller budget with the bound filter, quest, ds and dense."""
+    """The server's default, a smaller budget with the bound filter, the cascade, quest, ds and
+    dense."""
     default = SelectionParams("two_level", 40, bs, 8, 4, 8, block_score="label_max")
     return [default,
+            dataclasses.replace(default, candidate_blocks=3, prefilter=2),
             dataclasses.replace(default, budget=24, candidate_blocks=4, block_score="bound"),
             dataclasses.replace(default, method="quest", block_score="bound"),
             dataclasses.replace(default, method="ds", block_score="bound"),
@@ -62,7 +64,7 @@ def _check_mixed(hq, hkv, head_dim, bs, lens, dtype, tol):
 
 
 def test_mixed_rows_decode_as_each_alone():
-    """Five settings over ten rows (every setting twice, rows interleaved), fp32."""
+    """Six settings over ten rows (rows interleaved), fp32."""
     lens = [45, 100, 77, 130, 61, 99, 140, 41, 88, 120]
     _check_mixed(6, 2, 32, 8, lens, torch.float32, dict(rtol=1e-4, atol=1e-5))
 

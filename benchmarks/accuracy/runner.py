@@ -74,6 +74,11 @@ VARIANTS = {
     # its control: the filter of a plain two_level, too narrow for the shortlist
     "two_level_rerank4_narrow": {"method": "two_level", "head_policy": False, "rerank": 4,
                                  FILTER_SCALE: 1.0},
+    # the block filter's cascade (--sparse-block-prefilter; reference decode only): the bound
+    # keeps 4x the candidate blocks and the label maximum ranks only those
+    "two_level_prefilter4": {"method": "two_level", "head_policy": False, "prefilter": 4},
+    "two_level_prefilter4_rerank4": {"method": "two_level", "head_policy": False,
+                                     "prefilter": 4, "rerank": 4},
     # AsyncTLS's asynchronous block filter: blocks ranked by the previous step's query (what
     # --sparse-block-filter async serves on the GPU), tokens by this step's
     "two_level_async": {"method": "two_level", "head_policy": False, "block_filter": "async"},
@@ -605,7 +610,8 @@ def render_plot(doc: dict, path: str) -> None:
               "two_level_async_wide": "darkgoldenrod", "two_level_wide": "darkgreen",
               "two_level_bound": "lime", "ds_rerank4": "navajowhite",
               "two_level_rerank2": "mediumseagreen", "two_level_rerank4": "seagreen",
-              "two_level_rerank4_narrow": "darkseagreen"}
+              "two_level_rerank4_narrow": "darkseagreen", "two_level_prefilter4": "teal",
+              "two_level_prefilter4_rerank4": "darkslategray"}
 
     def get(task, ctx, method, budget):
         if task == "mean":

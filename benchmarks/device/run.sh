@@ -3,7 +3,8 @@
 # install this repo, then the named steps. Results land in $OUT (flat: the device machine's output
 # folder) or, without $OUT, in the step's suite folder benchmarks/results/SUITE/ (see suite below).
 # Usage: bash benchmarks/device/run.sh COMMIT STEP...
-#   steps: env fi-warmup fi-wait fi-pack gputests clock operator rerank-operator mla-operator sparse-attention
+#   steps: env fi-warmup fi-wait fi-pack gputests clock operator rerank-operator cascade-operator
+#   mla-operator sparse-attention
 #   tier fluxion transfer server e2e soak capacity locality profile tp2-greedy mla-e2e pack-logs
 #   gguf-part smollm2 fidelity refactor soak-real
 #   (tp2-greedy: on nvidia-h200-x2; real weights: gguf-part in consecutive warm calls, then
@@ -18,7 +19,7 @@ export SGLANG_EXT_COMMIT=${1:?commit}; shift
 OUT_GIVEN=${OUT:-}
 suite() {  # a step's folder under benchmarks/results/ (benchmarks/results_io.py: SUITES)
   case $1 in
-    operator|mla-operator|rerank-operator) echo operator ;;
+    operator|mla-operator|rerank-operator|cascade-operator) echo operator ;;
     sparse-attention) echo kernels ;;
     tier|fluxion|transfer|locality) echo "$1" ;;
     fidelity) echo accuracy ;;
@@ -67,6 +68,19 @@ for step in "$@"; do
             --skip-triton --no-compare-topk --no-compare-block-score --no-compare-scatter \
             --no-compare-label-cache --no-fi-sparse --tag "rerank_${score}_$factor" \
             ${RERANK_OPERATOR_ARGS:-} || status=1
+        done
+      done ;;
+    cascade-operator)
+      # The block filter's cascade (--sparse-block-prefilter) at the same shape: two_level by
+      # the label maximum over the bound's FACTOR x candidates, rerank off / 4, each file with
+      # its FlashInfer baseline (CASCADE_OPERATOR_ARGS: more flags)
+      for factor in 2 4; do
+        for rerank in 0 4; do
+          python3 -m benchmarks.run operator --out "$OUT" --contexts 131072 --batches 32 \
+            --block-size 32 --fi-page-size 32 --block-score label_max --prefilter "$factor" \
+            --rerank "$rerank" --skip-triton --no-compare-topk --no-compare-block-score \
+            --no-compare-scatter --no-compare-label-cache --no-fi-sparse \
+            --tag "cascade_${factor}_rerank_$rerank" ${CASCADE_OPERATOR_ARGS:-} || status=1
         done
       done ;;
     mla-operator)

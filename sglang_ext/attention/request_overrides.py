@@ -23,7 +23,7 @@ OVERRIDE_KEY = "sparse"
 DENSE = "dense"
 OVERRIDABLE = ("method", "budget", "block_size", "candidate_blocks", "sink", "window", "scoring",
                "head_policy", "locality_blocks", "eviction_score", "locality_new_blocks",
-               "block_filter", "block_score", "rerank")
+               "block_filter", "block_score", "rerank", "prefilter")
 
 # What a request decodes with: SelectionParams, or None for dense attention.
 RequestSparsity = Optional[SelectionParams]
@@ -49,6 +49,7 @@ def selection_params(cfg: SparseConfig, use_head_policy: Optional[bool] = None) 
         summary_dtype=cfg.summary_dtype,
         block_score=cfg.effective_block_score,
         rerank=cfg.rerank,
+        prefilter=cfg.prefilter,
     )
 
 
@@ -94,11 +95,13 @@ def parse_override(custom_params: Optional[Mapping[str, Any]], base: SparseConfi
         values["locality_new_blocks"] = 0  # the limit belongs to the constraint: off with it
     if "block_score" not in raw and {"method", "locality_blocks", "block_filter"} & set(raw):
         values["block_score"] = "auto"  # the server's label_max may not apply to the request's
-    for key in ("locality_blocks", "locality_new_blocks", "rerank"):
+    for key in ("locality_blocks", "locality_new_blocks", "rerank", "prefilter"):
         if key in raw and (isinstance(raw[key], bool) or not isinstance(raw[key], int)):
             raise ValueError(f"custom_params.{OVERRIDE_KEY}.{key} must be an integer, "
                              f"got {raw[key]!r}")
     values.update(raw)
+    if "prefilter" not in raw and SparseConfig(**values).effective_block_score != "label_max":
+        values["prefilter"] = 0  # the server's cascade narrows label_max: off where it is off
     try:
         return selection_params(build_config(**values), use_policy)
     except ConfigError as e:

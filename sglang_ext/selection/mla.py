@@ -82,6 +82,7 @@ _MLA_UNSUPPORTED = (
     ("summary_dtype", "--sparse-summary-dtype fp8_e4m3", lambda v: v != "auto"),
     ("block_score", "--sparse-block-score label_max", lambda v: v == "label_max"),
     ("rerank", "--sparse-rerank", lambda v: v > 0),
+    ("prefilter", "--sparse-block-prefilter", lambda v: v > 0),
 )
 
 

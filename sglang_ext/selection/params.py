@@ -74,6 +74,9 @@ class SelectionParams:
     values as stored, so that it selects what the kernels select.
     ``rerank`` (ds, two_level with label scores): 0, or the label scores shortlist ``rerank``
     times the selected tokens and the exact q·k picks among them (:func:`rerank_top_k_mask`).
+    ``prefilter`` (two_level with block_score label_max): 0, or the cascade: the bound keeps
+    ``prefilter`` times ``candidate_blocks`` blocks and the label maximum ranks only those
+    (on the GPU the label maximum would then score those blocks only).
     """
 
     method: str
@@ -92,6 +95,7 @@ class SelectionParams:
     summary_dtype: str = "auto"
     block_score: str = "bound"
     rerank: int = 0
+    prefilter: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -131,6 +135,10 @@ class SelectionParams:
                 self.rerank and (self.method not in ("ds", "two_level") or self.scoring != "score")):
             raise ValueError(f"rerank must be 0 or >= 2 (ds, two_level with label scores), got "
                              f"{self.rerank} with {self.method!r}, {self.scoring!r}")
+        if self.prefilter < 0 or self.prefilter == 1 or (
+                self.prefilter and (self.method != "two_level" or self.block_score != "label_max")):
+            raise ValueError(f"prefilter must be 0 or >= 2 (two_level with block_score label_max), "
+                             f"got {self.prefilter} with {self.method!r}, {self.block_score!r}")
         if self.method == "two_level" and self.candidate_blocks < 1:
             raise ValueError(
                 f"two_level needs candidate_blocks >= 1, got {self.candidate_blocks}"

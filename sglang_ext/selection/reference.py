@@ -196,6 +196,17 @@ def rerank_top_k_mask(q: Tensor, keys: Tensor, label_scores: Tensor, k: int,
     return _top_k_mask(exact, k) & shortlist
 
 
+def _bound_block_scores(q: Tensor, keys: Tensor, first: int, last: int,
+                        params: SelectionParams) -> Tensor:
+    """Quest's bound of the blocks ``first .. last``: ``[Hkv, last - first + 1]``. The slice
+    starts on a block boundary, so its blocks are exactly these, summarised over all their
+    positions (sink/window ones included), like the KV pool pages, and stored as
+    ``params.summary_dtype`` stores them."""
+    bs = params.block_size
+    summaries = block_minmax(keys[first * bs : (last + 1) * bs], bs)
+    return quest_block_scores(q, *round_summaries(*summaries, params.summary_dtype))
+
+
 def _select_middle(
     q: Tensor,
     keys: Tensor,
@@ -234,15 +245,15 @@ def _select_middle(
         block_token_scores = label_token_scores(block_q, keys[lo:block_hi], channels,
                                                 params.label_dtype)
         block_scores = label_max_block_scores(block_token_scores, lo, bs)
+        if params.prefilter:
+            # the cascade: the label maximum ranks only the bound's prefilter x candidates
+            survivors = _top_k_mask(_bound_block_scores(block_q, keys, first, last, params),
+                                    min(params.prefilter * params.candidate_blocks, num_cand))
+            block_scores = block_scores.masked_fill(~survivors, float("-inf"))
         if block_query is None:
             token_scores = block_token_scores  # the same query and span: no second pass
     elif num_cand:
-        # The slice starts on a block boundary, so its blocks are exactly the candidate blocks,
-        # summarised over all their positions (sink/window ones included), like the KV pool
-        # pages.
-        summaries = block_minmax(keys[first * bs : (last + 1) * bs], bs)
-        block_scores = quest_block_scores(block_q,
-                                          *round_summaries(*summaries, params.summary_dtype))
+        block_scores = _bound_block_scores(block_q, keys, first, last, params)
     if num_cand:
         if params.method == "quest":
             num_kept = n_sel // bs  # whole blocks only, so the budget is never exceeded
@@ -578,8 +589,11 @@ class BatchedSparseDecode:
         num_kept = torch.where(is_two, torch.minimum(cands, num_cand), kept)
         label_max = torch.tensor([self.params[i].block_score == "label_max" for i in members],
                                  dtype=torch.bool, device=dev)
+        # the cascade's survivors: the bound's prefilter x candidate blocks (0: no cascade)
+        prefilter = torch.tensor([self.params[i].prefilter for i in members], device=dev)
+        survivors = torch.minimum(prefilter * cands, num_cand)
         return {"bs": bs, "members": b, "binv": binv, "block_u": inv_g[rep], "cand": cand,
-                "label_max": label_max,
+                "label_max": label_max, "cascade": prefilter > 0, "survivors": survivors,
                 "num_kept": num_kept, "block_of_pos": torch.arange(self.max_len, device=dev) // bs}
 
     def _pairwise_max(self, qg: Tensor, keys_t: Tensor, idx: Tensor) -> Tensor:
@@ -636,8 +650,9 @@ class BatchedSparseDecode:
         for g in self.block_groups:
             b = g["members"]
             by_label_max = g["label_max"]
+            cascade = g["cascade"]
             bound = None
-            if not bool(by_label_max.all()):
+            if not bool(by_label_max.all()) or bool(cascade.any()):
                 kb = ku.index_select(0, g["block_u"].reshape(-1)).view(*g["block_u"].shape, *ku.shape[1:])  # [UB, bs, Hkv, D]
                 kmin, kmax = round_summaries(kb.amin(dim=1).float(), kb.amax(dim=1).float(),
                                              self.summary_dtype)
@@ -649,6 +664,13 @@ class BatchedSparseDecode:
                 middle = tok_scores[b].masked_fill(~self.middle[b][:, None], neg_inf)
                 label_max = label_max_block_scores(middle.reshape(-1, self.max_len), 0,
                                                    g["bs"]).view(len(b), num_kv, -1)
+                if bool(cascade.any()):
+                    # the label maximum ranks only the bound's best prefilter x candidates
+                    by_bound = bound.masked_fill(~g["cand"][:, None], neg_inf)
+                    survivors = _top_k_rows(by_bound.reshape(-1, bound.shape[-1]),
+                                            g["survivors"].repeat_interleave(num_kv))
+                    label_max = label_max.masked_fill(
+                        cascade[:, None, None] & ~survivors.view(bound.shape), neg_inf)
                 bound = label_max if bound is None else torch.where(
                     by_label_max[:, None, None], label_max, bound)
             bound = bound.masked_fill(~g["cand"][:, None], neg_inf)  # [Bg, Hkv, NB]
