@@ -203,7 +203,7 @@ def pool_tokens(url: str, log_path: str) -> Optional[int]:
             if isinstance(place, dict) and place.get("max_total_num_tokens"):
                 return int(place["max_total_num_tokens"])
     except (requests.RequestException, ValueError):
-        pass
+        pass  # no usable /server_info: the start-up log below says it too
     found = re.findall(r"max_total_num_tokens=(\d+)", open(log_path, errors="replace").read())
     return int(found[-1]) if found else None
 
