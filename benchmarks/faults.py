@@ -60,7 +60,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from benchmarks.results_io import git_commit, gpu_name, merge_rows, write_results  # noqa: E402
-from benchmarks.soak import (_alive, _error_message, launch, log_findings,  # noqa: E402
+from benchmarks.soak import (_alive, _error_message, flag_value, launch, log_findings,  # noqa: E402
                              server_facts, stop, stop_on_sigterm, wait_healthy)
 
 # The repo tests that cover each fault (this script observes it live as well).
@@ -93,15 +93,6 @@ def row(fault: str, expected: str, observed: str, passed: bool, seconds: float) 
 
 
 # ---------------------------------------------------------------------------- launch arguments
-
-def flag_value(words: list[str], flag: str) -> Optional[str]:
-    for i, w in enumerate(words):
-        if w == flag and i + 1 < len(words):
-            return words[i + 1]
-        if w.startswith(flag + "="):
-            return w.partition("=")[2]
-    return None
-
 
 def without(words: list[str], *flags: str) -> list[str]:
     """``words`` with each of ``flags`` and its value removed."""

@@ -421,14 +421,21 @@ def _error_message(r: requests.Response) -> Optional[str]:
 DENSE_OVERRIDE = {"sparse": {"method": "dense"}}  # docs/per-request.md
 
 
+def flag_value(words: list[str], flag: str) -> Optional[str]:
+    """The value of ``flag`` among launch_server argument words (``FLAG V`` or ``FLAG=V``)."""
+    for i, word in enumerate(words):
+        if word == flag and i + 1 < len(words):
+            return words[i + 1]
+        if word.startswith(flag + "="):
+            return word.partition("=")[2]
+    return None
+
+
 def launch_budget(launch: Optional[str]) -> int:
     """``--sparse-budget`` of a launch_server argument string, else sglang_ext's default."""
-    words = shlex.split(launch or "")
-    for i, word in enumerate(words):
-        if word == "--sparse-budget" and i + 1 < len(words):
-            return int(words[i + 1])
-        if word.startswith("--sparse-budget="):
-            return int(word.partition("=")[2])
+    value = flag_value(shlex.split(launch or ""), "--sparse-budget")
+    if value is not None:
+        return int(value)
     from sglang_ext.config import SparseConfig
 
     return SparseConfig().budget
