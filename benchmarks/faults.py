@@ -59,6 +59,7 @@ import requests
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.ports import with_nccl_port  # noqa: E402
 from benchmarks.results_io import git_commit, gpu_name, merge_rows, write_results  # noqa: E402
 from benchmarks.soak import (_alive, _error_message, flag_value, launch, log_findings,  # noqa: E402
                              server_facts, stop, stop_on_sigterm, wait_healthy)
@@ -140,7 +141,7 @@ def wrong_labels_args(words: list[str], tmp: str) -> Optional[list[str]]:
 
 def start_refusal(words: list[str], port: int, env: dict[str, str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port",
-           str(port), *words]
+           str(port), *with_nccl_port(words)]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)
 

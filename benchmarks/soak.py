@@ -70,6 +70,7 @@ import requests
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.ports import with_nccl_port  # noqa: E402
 from benchmarks.results_io import git_commit, gpu_name, write_results  # noqa: E402
 
 @dataclass(frozen=True)
@@ -669,7 +670,7 @@ def sample_metrics(url: str) -> dict[str, float]:
 
 def launch(args: str, log_path: str, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port",
-           str(port), *shlex.split(args)]
+           str(port), *with_nccl_port(shlex.split(args))]
     log = open(log_path, "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 

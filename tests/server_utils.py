@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,18 +14,15 @@ from typing import Any, Optional
 import requests
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+from benchmarks.ports import free_port, with_nccl_port  # noqa: E402
 MODEL_DIR = os.environ.get("SGLANG_EXT_MODEL_DIR", os.path.join(REPO, ".models", "smollm2"))
 LABELS = os.path.join(MODEL_DIR, "sparse_labels.json")
 
 # The CPU launch that works on 2-core machines: a small KV pool (the default would take
 # ~16 GB) and an idle scheduler that sleeps instead of spinning a core.
 CPU_ARGS = ["--device", "cpu", "--max-total-tokens", "16384", "--sleep-on-idle"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
@@ -41,7 +37,7 @@ def server_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
 def launch_command(args: list[str], port: int) -> list[str]:
     return [
         sys.executable, "-m", "sglang.launch_server", "--model-path", MODEL_DIR,
-        "--host", "127.0.0.1", "--port", str(port), *CPU_ARGS, *args,
+        "--host", "127.0.0.1", "--port", str(port), *with_nccl_port([*CPU_ARGS, *args]),
     ]
 
 

@@ -8,7 +8,6 @@ nvidia-h200-x2 device kind); SmolLM2's 3 kv heads do not divide between 2 ranks.
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,6 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from benchmarks.ports import free_port
 from sglang_ext import tensor_parallel
 from sglang_ext.config import build_config
 from sglang_ext.selection.calibrate import FORMAT, dumps_label_config
@@ -74,12 +74,6 @@ def test_each_rank_loads_the_label_channels_of_its_own_kv_heads(
     assert torch.equal(torch.cat(pieces, dim=1), full)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, port: int, results: "mp.Queue") -> None:
     """One rank: SGLang's world group over gloo, then the decisions that must agree."""
     from sglang.srt.distributed.parallel_state import init_distributed_environment
@@ -106,7 +100,7 @@ def _rank_main(rank: int, port: int, results: "mp.Queue") -> None:
 def test_ranks_agree_on_the_tier_capacity() -> None:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, port, results)) for r in range(2)]
     for p in procs:
         p.start()
