@@ -531,7 +531,8 @@ def stage_builders(q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, 
     """(name, build) of each stage of our selection alone, reading the workspace's
     intermediates that one full ``select()`` call leaves behind (so each stage sees real
     inputs). The token top-k + slot assembly (one fused kernel) and the attention are timed
-    as differences: select - stages, ours - select."""
+    as differences: select - stages, ours - select. With a rerank the token stages list the
+    shortlist, and its two stages (exact scores, top budget of them) are timed alone too."""
     from sglang_ext.kernels.block_scores import quest_block_scores_batched
     from sglang_ext.kernels.token_scores import (
         label_max_block_scores_batched,
@@ -568,6 +569,15 @@ def stage_builders(q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, 
             scores_out=ws.token_scores[:batch], return_positions=False,
             keys_are_labels=labels is not None,
             cand_slots_out=ws.cand_slots[:batch] if ws.scatter_selected else None)[0]))
+    if params.rerank:  # the exact scores of the shortlist, then its top budget entries
+        from sglang_ext.kernels.rerank import exact_rerank_scores, take_top
+
+        slots, positions = ws.slots[:batch], ws.positions[:batch]
+        out.append(("rerank_scores", lambda: lambda: exact_rerank_scores(
+            q, k_buffer, slots, positions, seq_lens, params, ws.rerank_scores[:batch])))
+        out.append(("rerank_take_top", lambda: lambda: take_top(
+            slots, positions, ws.rerank_scores[:batch], params.budget, ws.rerank_top[:batch],
+            ws.reranked_slots[:batch], ws.reranked_positions[:batch], impl=ws.topk_impl)))
     return out
 
 
@@ -888,7 +898,7 @@ def run_benchmark(args, device: str = "cuda") -> dict:
                 builders.append(("ours_fi_attention", lambda: FlashInferSparseDecode(
                     torch, ours(args.topk_impl, select_only=True), q, k_buffer, v_buffer,
                     params.budget, sm_scale, fi_workspace)))
-            if args.breakdown and not params.rerank:  # the stages of a plain selection
+            if args.breakdown and not params.prefilter:  # the stages of one selection
                 stage_ws = SparseDecodeWorkspace(
                     batch, HQ, HKV, HEAD_DIM, params, max_blocks, dev, torch.bfloat16,
                     topk_impl=args.topk_impl, block_score_precision=block_precision,
@@ -911,8 +921,9 @@ def run_benchmark(args, device: str = "cuda") -> dict:
                     outs[name] = out
                 timer.release()
             if args.breakdown and row.get("ours_select_ms") and row.get("ours_ms"):
-                staged = [row.get(f"stage_{n}_ms") for n in ("block_scores", "block_topk",
-                                                              "token_scores")]
+                staged = [row.get(f"stage_{n}_ms") for n in (
+                    "block_scores", "block_topk", "token_scores", "rerank_scores",
+                    "rerank_take_top")]
                 row["stage_topk_assemble_ms"] = row["ours_select_ms"] - sum(
                     x for x in staged if x)
                 row["stage_attention_ms"] = row["ours_ms"] - row["ours_select_ms"]

@@ -151,7 +151,8 @@ def test_kernel_decode_with_cooperation_equals_the_untiered_decode(method, where
                 # head shapes (outputs up to ~3) the largest difference was one such step
                 # (0.0156 at 2.36), the tier alone without cooperation was bit-exact.
                 torch.testing.assert_close(got.float(), want.float(), atol=8e-3, rtol=2 ** -7,
-                                           msg=f"{method}: step {step} layer {layer}")
+                                           msg=lambda m, step=step, layer=layer:
+                                           f"{method}: step {step} layer {layer}: {m}")
         run.finish()
     finally:
         coop.close()

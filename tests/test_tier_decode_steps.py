@@ -39,6 +39,7 @@ from sglang_ext.memory_tier.tiered_pool import TieredKVPool, plan_layout
 from sglang_ext.selection.reference import SelectionParams
 
 DTYPE = torch.bfloat16
+FP8 = torch.float8_e4m3fn
 gpu = pytest.mark.gpu
 
 
@@ -63,8 +64,8 @@ SERVER_GPU = Shape(layers=3, kv_heads=4, group=5, head_dim=128, page_size=16, si
 
 class Run:
     def __init__(self, params: SelectionParams, mode: str, prompt_lens: list[int], steps: int,
-                 shape: Shape = SMALL):
-        self.params, self.steps, self.shape = params, steps, shape
+                 shape: Shape = SMALL, kv_dtype: torch.dtype = DTYPE):
+        self.params, self.steps, self.shape, self.kv_dtype = params, steps, shape, kv_dtype
         sh, ps = shape, shape.page_size
         dev = self.device = torch.device(sh.device)
         self.gen = case_generator("tier-steps", params.method, params.budget, mode, sh)
@@ -78,7 +79,7 @@ class Run:
             max_running_requests=len(self.rows), max_prefill_tokens=sum(prompt_lens),
             num_slots=max(k_blocks, 1), sink=sh.sink, window=sh.window,
             summary_tokens_per_token=1 / ps, gpu_tokens=ps)  # page 0 only: all KV on the host
-        self.pool = TieredKVPool(ps, DTYPE, sh.kv_heads, sh.head_dim, sh.layers, sh.device, False,
+        self.pool = TieredKVPool(ps, kv_dtype, sh.kv_heads, sh.head_dim, sh.layers, sh.device, False,
                                  layout=layout, mode=mode)
         logical = layout.logical_tokens
         # Requests' logical pages: host-homed (>= 1), in a scattered order.
@@ -92,8 +93,10 @@ class Run:
         self.pool.bind(self.req_to_token)
         # The oracle: a plain pool over the logical slots, and the summaries both share.
         kv_shape = (logical, sh.kv_heads, sh.head_dim)
-        self.plain_k = [torch.zeros(kv_shape, dtype=DTYPE, device=dev) for _ in range(sh.layers)]
-        self.plain_v = [torch.zeros(kv_shape, dtype=DTYPE, device=dev) for _ in range(sh.layers)]
+        self.plain_k = [torch.zeros(kv_shape, dtype=kv_dtype, device=dev)
+                        for _ in range(sh.layers)]
+        self.plain_v = [torch.zeros(kv_shape, dtype=kv_dtype, device=dev)
+                        for _ in range(sh.layers)]
         self.summaries = [allocate_block_summaries(logical, sh.kv_heads, sh.head_dim, ps,
                                                    device=dev, dtype=DTYPE)
                           for _ in range(sh.layers)]
@@ -120,9 +123,10 @@ class Run:
 
     def _write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.pool.set_kv_buffer(SimpleNamespace(layer_id=layer), KVWriteLoc(loc, None, None), k, v)
+        k, v = k.to(self.kv_dtype), v.to(self.kv_dtype)  # what the cache stores
         self.plain_k[layer][loc.long()] = k
         self.plain_v[layer][loc.long()] = v
-        update_block_summaries(*self.summaries[layer], k, loc, self.shape.page_size)
+        update_block_summaries(*self.summaries[layer], k.to(DTYPE), loc, self.shape.page_size)
         if self.locality is not None:
             update_eviction_page_scores(self.locality[0].page_scores[layer], k, loc,
                                         self.shape.page_size, "key_norm")
@@ -156,9 +160,11 @@ class Run:
             on_blocks, attend = tier.decode_hooks(layer, rpi, r2t, pool.k_buffer[layer],
                                                   pool.v_buffer[layer])
             rows = DecodeRows(r2t, rpi, seq_lens)
+            # an 8-bit pool stores bytes, which the backend reads viewed as the KV dtype
+            keys, values = (buf[layer].view(self.kv_dtype)
+                            for buf in (pool.k_buffer, pool.v_buffer))
             got = sparse_decode_batched(
-                q, LayerCache(pool.k_buffer[layer], pool.v_buffer[layer], kmin, kmax,
-                              channels=self.channels),
+                q, LayerCache(keys, values, kmin, kmax, channels=self.channels),
                 rows, self.params, 0.25, self.ws_tier,
                 SelectionInputs(page_map=tier.page_map(layer), on_blocks=on_blocks,
                                 attend_blocks=attend, locality=self._locality(0, layer)),
@@ -299,3 +305,49 @@ def test_radix_dedup_repoints_a_prefilled_rows_blocks(when: str) -> None:
             assert torch.equal(got, want), f"{when}: step {step} layer {layer}"
     assert bool((pool.dev_page_of_lp[freed] < 0).all())
     run.finish()
+
+
+@pytest.mark.parametrize("mode, budget", [("sync", 24), ("async", 96), ("sync", 96)])
+@pytest.mark.parametrize("method", ["two_level", "quest"])
+def test_an_fp8_tier_decodes_what_an_fp8_pool_decodes(mode: str, budget: int,
+                                                      method: str) -> None:
+    """``--kv-cache-dtype fp8_e4m3`` under the tier: the pool keeps fp8 rows (one byte a value)
+    on the host, moves them as bytes and hands the batched kernels fp8 rows; every step equals
+    the same decode over a plain fp8 pool, bit for bit (at budget 96 the whole context, under
+    both schedules; the small budget under ``sync``, as for bf16 above)."""
+    ps, sink, window = SMALL.page_size, SMALL.sink, SMALL.window
+    candidates = (dense_middle_blocks(budget, sink, window, ps) if budget == 96 else 3) \
+        if method == "two_level" else 1
+    params = SelectionParams(method, budget, ps, candidates, sink, window)
+    run = Run(params, mode, prompt_lens=[45, 30] if budget == 24 else [68, 23], steps=8,
+              kv_dtype=FP8)
+    assert run.pool.k_buffer[0].dtype == torch.uint8 and run.pool.host.k[0].dtype == FP8
+    run.prefill()
+    for step in range(run.steps):
+        for layer, (got, want) in enumerate(run.decode_step()):
+            assert torch.equal(got, want), f"{mode} {method}: step {step} layer {layer}"
+    assert run.pool.tier.read_stats()["transferred_blocks"] > 0
+    run.finish()
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_gpu_fp8_tier_decodes_what_an_fp8_pool_decodes(mode: str) -> None:
+    """The fp8 tier on the GPU at a served model's shapes (the real kernels reading fp8 rows, the
+    async schedule's side stream): bit-exact against a plain fp8 pool, the whole context under
+    both schedules and a budget under the context under ``sync``. What start-up's refusal of
+    ``--sparse-tier`` with ``--kv-cache-dtype fp8_e4m3`` waits for."""
+    sh = SERVER_GPU
+    cases = [(2048, [1536, 1530, 1100])] + ([(256, [700, 480])] if mode == "sync" else [])
+    for budget, lens in cases:
+        candidates = (dense_middle_blocks(budget, sh.sink, sh.window, sh.page_size)
+                      if budget >= max(lens) + 40 else 12)
+        params = SelectionParams("two_level", budget, sh.page_size, candidates, sh.sink,
+                                 sh.window)
+        run = Run(params, mode, prompt_lens=lens, steps=24, shape=sh, kv_dtype=FP8)
+        run.prefill()
+        for step in range(run.steps):
+            for layer, (got, want) in enumerate(run.decode_step()):
+                assert torch.equal(got, want), f"{mode} {budget}: step {step} layer {layer}"
+        run.finish()
