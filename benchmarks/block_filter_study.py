@@ -27,6 +27,12 @@ sys.path.insert(0, REPO)
 from benchmarks.accuracy import tasks as T  # noqa: E402
 from benchmarks.accuracy.runner import shrunk_sink_window  # noqa: E402
 from benchmarks.results_io import git_commit, write_results  # noqa: E402
+from sglang_ext.selection.label_basis import (  # noqa: E402
+    BASES,
+    QKMoments,
+    label_basis,
+    truncated_scores,
+)
 from sglang_ext.selection.reference import (  # noqa: E402
     _top_k_mask,
     label_token_scores,
@@ -47,6 +53,7 @@ class Variant:
     dense_layers: int = 0  # the first layers attend densely (as Quest and Double Sparsity do)
     page_score: str = "bound"  # bound | label_max (a page's best label score)
     rerank: float = 0.0  # > 0: labels keep rerank x the budget's tokens, the exact q.k picks
+    labels: str = "channels"  # channels (Double Sparsity) | kpca | qk: a label basis
 
 
 def group_queries(q: Tensor, hkv: int) -> Tensor:
@@ -89,7 +96,7 @@ def select(q: Tensor, keys: Tensor, v: Variant, budget: int, sink: int, window: 
     n_sel = budget - sink - window
     mask[:, lo:hi] = False
     token_channels = None if v.kind == "oracle" else channels
-    label_scores = label_token_scores(q, keys[lo:hi], token_channels)
+    label_scores = approx_scores(q, keys[lo:hi], token_channels)
     if v.kind in ("ds", "oracle"):
         mask[:, lo:hi] = top_tokens(q, keys[lo:hi], label_scores, n_sel, v.rerank)
         return mask
@@ -111,6 +118,33 @@ def select(q: Tensor, keys: Tensor, v: Variant, budget: int, sink: int, window: 
     return mask
 
 
+def approx_scores(q: Tensor, keys: Tensor, labels: Any) -> Tensor:
+    """[Hkv, L] label scores (max over each kv head's query heads): by channels (a long
+    ``[Hkv, r]`` tensor), by the first r coordinates of a label basis (``(Bq, Bk, r)``,
+    :mod:`sglang_ext.selection.label_basis`), or exactly (None)."""
+    if not isinstance(labels, tuple):
+        return label_token_scores(q, keys, labels)
+    return truncated_scores(q, keys, *labels)
+
+
+def calibrate_bases(model: Any, tok: Any, tokens: int = 8192,
+                    window: int = 2048) -> dict[str, tuple[Tensor, Tensor]]:
+    """Every label basis (:data:`BASES`) per layer, ``(Bq, Bk)`` ``[L, Hkv, D, D]``, from the
+    post-RoPE queries and keys of the label calibration's text (the stdlib docstrings) in
+    windows of ``window`` tokens."""
+    from sglang_ext.selection.calibrate import capture_post_rope_qk, load_text, model_dims
+
+    dims = model_dims(model)
+    moments = QKMoments(dims["num_layers"], dims["num_kv_heads"], dims["head_dim"])
+    text, _ = load_text(None, max_tokens=tokens)
+    ids = tok(text, add_special_tokens=False, truncation=True, max_length=tokens).input_ids
+    with capture_post_rope_qk(model, moments):
+        for i in tqdm(range(0, len(ids), window), desc="label bases"):
+            model(input_ids=torch.tensor([ids[i:i + window]]), use_cache=False)
+    sq, sk = moments.means()
+    return {kind: label_basis(sq, sk, kind) for kind in BASES}
+
+
 def top_tokens(q: Tensor, keys: Tensor, label_scores: Tensor, n_sel: int, rerank: float) -> Tensor:
     """The ``n_sel`` best tokens by label score, or with ``rerank`` by the exact q.k among the
     ``rerank * n_sel`` best by label score."""
@@ -126,6 +160,8 @@ class StudyAttention:
     def __init__(self, channels: Optional[Tensor]):
         self.channels = channels
         self.variants: list[Variant] = []
+        self.bases: dict[str, tuple[Tensor, Tensor]] = {}
+        self.label_channels = 0 if channels is None else channels.shape[-1]
         self.budget = self.sink = self.window = 0
 
     def __call__(self, module: Any, query: Tensor, key: Tensor, value: Tensor,
@@ -135,15 +171,18 @@ class StudyAttention:
             from transformers.integrations.sdpa_attention import sdpa_attention_forward
             return sdpa_attention_forward(module, query, key, value, attention_mask,
                                           dropout=dropout, scaling=scaling, **kwargs)
-        ch = None if self.channels is None else self.channels[module.layer_idx]
+        layer = module.layer_idx
+        ch = None if self.channels is None else self.channels[layer]
         out = query.new_empty(query.shape[0], 1, query.shape[1], value.shape[-1])
         for b, v in enumerate(self.variants):
+            labels = ch if v.labels == "channels" else (
+                *(b[layer] for b in self.bases[v.labels]), self.label_channels)
             q = query[b, :, 0]
             keys, values = key[b].transpose(0, 1), value[b].transpose(0, 1)
             if module.layer_idx < v.dense_layers:
                 mask = torch.ones(keys.shape[1], keys.shape[0], dtype=torch.bool)
             else:
-                mask = select(q, keys, v, self.budget, self.sink, self.window, ch)
+                mask = select(q, keys, v, self.budget, self.sink, self.window, labels)
             out[b, 0] = sparse_attention(q, keys, values, mask, scaling)
         return out, None
 
@@ -159,10 +198,13 @@ def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def parse_variant(text: str) -> Variant:
-    """dense | oracle[:dN] | ds[:dN][:rM] | two_level:BS[:xSCALE][:sSUB][:labels][:lm][:rM][:dN]
+    """dense | oracle[:dN] | ds[:dN][:rM][:kpca|:qk] |
+    two_level:BS[:xSCALE][:sSUB][:labels][:lm][:rM][:dN][:kpca|:qk]
 
     ``lm``: pages ranked by their best label score; ``rM``: the exact q.k reranks M x the
-    budget's best tokens by label score."""
+    budget's best tokens by label score; ``kpca`` / ``qk``: label scores by the first r
+    coordinates of a label basis (:mod:`sglang_ext.selection.label_basis`) instead of r
+    channels."""
     parts = text.split(":")
     kw: dict = {}
     whole_context_kinds = ("dense", "oracle", "ds")
@@ -185,6 +227,8 @@ def parse_variant(text: str) -> Variant:
             kw["sub_block"] = int(p[1:])
         elif p == "labels":
             kw["summary_channels"] = "labels"
+        elif p in ("kpca", "qk"):
+            kw["labels"] = p
         else:
             raise ValueError(f"bad variant part {p!r} in {text!r}")
     return Variant(text, parts[0] if parts[0] in whole_context_kinds else "two_level", **kw)
@@ -221,6 +265,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                  attn_implementation=ATTN_NAME).eval()
     variants = [parse_variant(v) for v in args.variants]
     hook.variants = variants
+    if any(v.labels != "channels" for v in variants):
+        hook.bases = calibrate_bases(model, tok)
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     samples = T.make_samples(args.tasks, args.contexts, args.samples, tok)
     hits: dict = {}
