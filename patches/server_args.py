@@ -132,7 +132,7 @@ def _check_label_config(server_args: Any, cfg: sparse_config.SparseConfig) -> No
     """A label file calibrated for another model must stop start-up, not the first decode."""
     if cfg.label_config is None:
         return
-    from sglang_ext.selection.calibrate import load_label_config
+    from sglang_ext.selection.calibrate import load_label_basis, load_label_config
 
     mc = server_args.get_model_config()
     layout = kv_layout(mc)
@@ -143,8 +143,14 @@ def _check_label_config(server_args: Any, cfg: sparse_config.SparseConfig) -> No
             num_kv_heads=layout.num_kv_heads,
             head_dim=layout.head_dim,
         )
+        basis = load_label_basis(cfg.label_config, num_layers=mc.num_hidden_layers,
+                                 num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim)
     except ValueError as e:
         raise SystemExit(f"sglang_ext: --sparse-label-config: {e}") from None
+    if basis is not None and cfg.eviction_head is not None:
+        raise SystemExit("sglang_ext: --sparse-eviction-head scores keys in the model's own "
+                         "basis; it does not combine with a --sparse-label-config that has a "
+                         "basis")
     if cfg.label_channels > channels.shape[-1]:
         raise SystemExit(
             f"sglang_ext: --sparse-label-channels must be <= {channels.shape[-1]}, the channels "
@@ -209,19 +215,33 @@ def _check_prefill_elsewhere(server_args: Any, cfg: sparse_config.SparseConfig, 
     default = getattr(server_args, "attention_backend", None)
     decode = getattr(server_args, "decode_attention_backend", None) or default
     prefill = getattr(server_args, "prefill_attention_backend", None) or default
-    if prefill == BACKEND_NAME and decode != BACKEND_NAME and cfg.tier != "off":
-        # ...and another decode backend would read logical slots the device does not have.
-        raise SystemExit(f"sglang_ext: --decode-attention-backend {decode} cannot read the CPU "
-                         f"tier's KV; decode with --attention-backend {BACKEND_NAME}")
+    basis = has_label_basis(cfg)
+    if prefill == BACKEND_NAME and decode != BACKEND_NAME and (cfg.tier != "off" or basis):
+        # ...and another decode backend would read logical slots the device does not have, or
+        # keys in the label basis with queries that are not.
+        what = "the CPU tier's KV" if cfg.tier != "off" else "keys stored in the label basis"
+        raise SystemExit(f"sglang_ext: --decode-attention-backend {decode} cannot read {what}; "
+                         f"decode with --attention-backend {BACKEND_NAME}")
     if decode != BACKEND_NAME or prefill == BACKEND_NAME:
         return
     needs = [what for what, applies in (("the batched decode's block summaries", impl == "triton"),
-                                        ("the CPU tier", cfg.tier != "off")) if applies]
+                                        ("the CPU tier", cfg.tier != "off"),
+                                        ("the label basis", basis)) if applies]
     if needs:
         raise SystemExit(
             f"sglang_ext: --prefill-attention-backend {prefill} sends prefill around our backend, "
             f"but {' and '.join(needs)} must see the prompt's keys; use --attention-backend "
             f"{BACKEND_NAME} with --sparse-dense-backend to choose the prefill kernels")
+
+
+def has_label_basis(cfg: sparse_config.SparseConfig) -> bool:
+    """Whether ``--sparse-label-config`` names a label basis (queries and keys change basis at
+    the backend's entry, attention/qk_basis.py)."""
+    if cfg.label_config is None:
+        return False
+    from sglang_ext.selection.calibrate import label_config_has_basis
+
+    return label_config_has_basis(cfg.label_config)
 
 
 def _check_cooperative(server_args: Any, cfg: sparse_config.SparseConfig, impl: str) -> None:

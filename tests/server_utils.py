@@ -19,6 +19,8 @@ if REPO not in sys.path:
 from benchmarks.ports import free_port, with_nccl_port  # noqa: E402
 MODEL_DIR = os.environ.get("SGLANG_EXT_MODEL_DIR", os.path.join(REPO, ".models", "smollm2"))
 LABELS = os.path.join(MODEL_DIR, "sparse_labels.json")
+# the same labels as the leading coordinates of a calibrated q/k basis (make model)
+LABELS_BASIS = os.path.join(MODEL_DIR, "sparse_labels_kpca.json")
 
 # The CPU launch that works on 2-core machines: a small KV pool (the default would take
 # ~16 GB) and an idle scheduler that sleeps instead of spinning a core.

@@ -51,7 +51,7 @@ def stdlib_text() -> tuple[str, str]:
 def stdlib_labels(model_and_tokenizer, stdlib_text) -> dict:
     model, tokenizer = model_and_tokenizer
     text, source = stdlib_text
-    return cal.calibrate(model, tokenizer, text, source=source, channels=R, max_tokens=256, progress=False)
+    return cal.calibrate(model, tokenizer, text, source=source, channels=R, max_tokens=256, progress=False)[0]
 
 
 def test_stdlib_text_is_deterministic(stdlib_text: tuple[str, str]) -> None:
@@ -115,7 +115,7 @@ def test_calibration_deterministic_with_right_shapes(model_and_tokenizer, stdlib
     model, tokenizer = model_and_tokenizer
     text, source = stdlib_text
     first = stdlib_labels
-    second = cal.calibrate(model, tokenizer, text, source=source, channels=R, max_tokens=256, progress=False)
+    second = cal.calibrate(model, tokenizer, text, source=source, channels=R, max_tokens=256, progress=False)[0]
     assert first == second
 
     assert first["format"] == cal.FORMAT
@@ -220,3 +220,82 @@ def test_heavy_channels_beat_random_on_held_out_text(model_and_tokenizer, stdlib
 
     assert chosen_share.mean() > 2.0 * random_share.mean(), (chosen_share.mean(), random_share.mean())
     assert (chosen_share > random_share).all()
+
+
+@pytest.fixture(scope="module")
+def basis_labels(model_and_tokenizer, stdlib_text) -> tuple[dict, tuple[torch.Tensor, torch.Tensor]]:
+    model, tokenizer = model_and_tokenizer
+    text, source = stdlib_text
+    payload, matrices = cal.calibrate(model, tokenizer, text, source=source, channels=R,
+                                      max_tokens=256, progress=False, basis="qk")
+    assert matrices is not None
+    return payload, matrices
+
+
+def test_cli_writes_a_basis_the_server_loads_and_refuses_when_altered(
+        model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "labels.json"
+    argv = ["--model-path", str(model_dir), "--out", str(out), "--max-tokens", "128",
+            "--channels", "8", "--quiet", "--basis", "kpca"]
+    assert cal.main(argv) == 0
+    payload = json.loads(out.read_text())
+    assert payload["basis"]["kind"] == "kpca" and payload["basis"]["file"] == "labels.basis.pt"
+    shape = dict(num_layers=NUM_LAYERS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)
+    assert cal.label_config_has_basis(out)
+    bq, bk = cal.load_label_basis(out, **shape)
+    assert bq.shape == bk.shape == (NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM)
+    torch.testing.assert_close(bq @ bk.transpose(-1, -2),
+                               torch.eye(HEAD_DIM).expand_as(bq), atol=1e-4, rtol=0)
+    assert cal.load_label_config(out, **shape)[..., :8].tolist() == payload["channels"]
+
+    # channels that are not the basis's leading coordinates
+    bad = dict(payload, channels=[[list(range(1, 9))] * NUM_KV_HEADS] * NUM_LAYERS)
+    _write(tmp_path / "labels_bad.json", bad)
+    (tmp_path / "labels.basis.pt").rename(tmp_path / "keep.pt")
+    with pytest.raises(ValueError, match="cannot be read"):
+        cal.load_label_basis(out, **shape)
+    (tmp_path / "keep.pt").rename(tmp_path / "labels.basis.pt")
+    with pytest.raises(ValueError, match="leading coordinates"):
+        cal.load_label_basis(tmp_path / "labels_bad.json", **shape)
+    # a basis file altered after calibration
+    raw = bytearray((tmp_path / "labels.basis.pt").read_bytes())
+    raw[-100] ^= 1
+    (tmp_path / "labels.basis.pt").write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="does not match its sha256"):
+        cal.load_label_basis(out, **shape)
+    # a plain label config has none
+    plain = _write(tmp_path / "plain.json", _valid_payload())
+    assert cal.load_label_basis(plain, **shape) is None and not cal.label_config_has_basis(plain)
+
+
+def test_basis_labels_rank_real_keys_closer_to_q_dot_k_than_channels(
+        model_and_tokenizer, stdlib_labels, basis_labels) -> None:
+    """On held-out text (Python source), the tokens the first r coordinates of the qk basis
+    rank highest overlap the exact q·k's top tokens more than those of the r heavy channels."""
+    from sglang_ext.selection.label_basis import truncated_scores
+    from sglang_ext.selection.reference import label_token_scores
+
+    model, tokenizer = model_and_tokenizer
+    channels = torch.tensor(stdlib_labels["channels"])
+    bq, bk = basis_labels[1]
+    held_out = tokenizer(inspect.getsource(json.decoder), add_special_tokens=False).input_ids[:256]
+    captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    with torch.inference_mode(), cal.capture_post_rope_qk(
+            model, lambda layer, q, k: captured.__setitem__(layer, (q[0], k[0]))):
+        model(input_ids=torch.tensor([held_out]), use_cache=False)
+
+    def overlap(scores: torch.Tensor, exact: torch.Tensor, top: int = 16) -> float:
+        got, want = scores.topk(top, dim=1).indices, exact.topk(top, dim=1).indices
+        return sum(len(set(a.tolist()) & set(b.tolist()))
+                   for a, b in zip(got, want)) / want.numel()
+
+    by_channels, by_basis = [], []
+    for layer, (q, k) in captured.items():
+        keys = k.transpose(0, 1)  # [T, Hkv, D]
+        for pos in range(160, 256, 16):  # a query over the 128 keys before it
+            qt, kt = q[:, pos], keys[pos - 128:pos]
+            exact = label_token_scores(qt, kt, None)
+            by_channels.append(overlap(label_token_scores(qt, kt, channels[layer]), exact))
+            by_basis.append(overlap(truncated_scores(qt, kt, bq[layer], bk[layer], R), exact))
+    channel_mean, basis_mean = sum(by_channels) / len(by_channels), sum(by_basis) / len(by_basis)
+    assert basis_mean > channel_mean + 0.05, (basis_mean, channel_mean)

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from sglang_ext.config import ConfigError, build_config
-from server_utils import LABELS, free_port, launch_command, server_env
+from server_utils import LABELS, LABELS_BASIS, free_port, launch_command, server_env
 
 
 @pytest.mark.parametrize(
@@ -201,6 +201,14 @@ BAD_LAUNCHES = [
     (["--prefill-attention-backend", "sglang_ext", "--decode-attention-backend", "torch_native",
       "--sparse-tier", "sync"], "--decode-attention-backend"),
     (["--sparse-cooperative", "on", "--sparse-tier", "async"], "--sparse-cooperative"),
+    # keys stored in a label basis: prefill and decode must both change basis, and eviction
+    # heads score keys in the model's own basis (any readable file reaches that check)
+    (["--decode-attention-backend", "sglang_ext", "--prefill-attention-backend", "torch_native",
+      "--sparse-label-config", LABELS_BASIS], "--prefill-attention-backend"),
+    (["--prefill-attention-backend", "sglang_ext", "--decode-attention-backend", "torch_native",
+      "--sparse-label-config", LABELS_BASIS], "--decode-attention-backend"),
+    (["--sparse-label-config", LABELS_BASIS, "--sparse-eviction-head", LABELS_BASIS],
+     "--sparse-eviction-head"),
 ]
 
 

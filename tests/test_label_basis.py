@@ -95,3 +95,28 @@ def test_a_layer_without_windows_is_refused() -> None:
     moments(0, torch.zeros(1, HKV * GROUP, 3, D), torch.zeros(1, HKV, 3, D))
     with pytest.raises(ValueError, match="saw no calibration window"):
         moments.means()
+
+
+@pytest.mark.parametrize("kind", BASES)
+def test_the_backend_rotation_keeps_attention(kind: str) -> None:
+    """attention/qk_basis.py at the backend's entry: q as SGLang hands it (``[T, Hq * D]``), k
+    ``[T, Hkv, D]``; attention over the rotated pair equals attention over the original."""
+    from sglang_ext.attention.qk_basis import QKBasis
+
+    gen, _, _, keys, sq, sk = _setup(2)
+    bq, bk = label_basis(sq, sk, kind)
+    layers = 2
+    basis = QKBasis(torch.stack([bq] * layers), torch.stack([bk] * layers), "cpu")
+    q = torch.randn(5, HKV * GROUP * D, generator=gen, dtype=torch.float64).float()
+    k, v = keys[:40].float(), torch.randn(40, HKV, D, generator=gen)
+    q2, k2 = basis.rotate(1, q, k)
+    assert q2.shape == q.shape and k2.shape == k.shape and q2.dtype == q.dtype
+
+    def attend(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        qg = q.reshape(5, HKV, GROUP, D)
+        logits = torch.einsum("thgd,shd->thgs", qg, k) / D ** 0.5
+        return torch.einsum("thgs,shd->thgd", logits.softmax(-1), v)
+
+    torch.testing.assert_close(attend(q2, k2), attend(q, k), atol=1e-4, rtol=1e-4)
+    q3, none = basis.rotate(0, q.reshape(5, HKV * GROUP, D).bfloat16(), None)
+    assert none is None and q3.dtype == torch.bfloat16 and q3.shape == (5, HKV * GROUP, D)

@@ -80,7 +80,8 @@ def sparse_server_args(block_size: int, dense_decode: str = "float32",
                        head_policy: Optional[str] = None,
                        eviction_head: Optional[str] = None,
                        label_dtype: str = "auto", summary_dtype: str = "auto",
-                       kv_cache_dtype: str = "auto") -> list[str]:
+                       kv_cache_dtype: str = "auto",
+                       label_config: Optional[str] = None) -> list[str]:
     """Our backend; method and budget come with each request, the block size too (so the flag
     only sets the default). ``dense_decode``: how the dense requests decode (float32 by default:
     the same attention as SGLang's bf16 SDPA call, ~8x faster per request on a CPU).
@@ -89,11 +90,14 @@ def sparse_server_args(block_size: int, dense_decode: str = "float32",
     ``locality_limited_learned`` methods' requests). ``label_dtype``: how the label channels
     are stored (``--sparse-label-dtype``; server-wide, so one run per dtype), ``summary_dtype``
     the page summaries (``--sparse-summary-dtype``, likewise), ``kv_cache_dtype`` SGLang's KV
-    cache (``--kv-cache-dtype``: every method, dense included, reads the same 8-bit cache)."""
+    cache (``--kv-cache-dtype``: every method, dense included, reads the same 8-bit cache).
+    ``label_config``: the label file (default: ``make model``'s channels, when present; one
+    with a basis changes every request's q/k basis, so one run per file)."""
     args = ["--attention-backend", "sglang_ext", "--sparse-block-size", str(block_size),
             "--sparse-dense-decode", dense_decode]
-    if os.path.exists(LABELS):
-        args += ["--sparse-label-config", LABELS]
+    label_config = label_config or (LABELS if os.path.exists(LABELS) else None)
+    if label_config:
+        args += ["--sparse-label-config", label_config]
     if label_dtype != "auto":
         args += ["--sparse-label-dtype", label_dtype]
     if summary_dtype != "auto":
@@ -128,6 +132,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="trained eviction heads for the servers (python -m "
                         "sglang_ext.selection.train_eviction); needed by --methods "
                         "locality_learned and locality_limited_learned")
+    p.add_argument("--label-config", default=None,
+                   help="the servers' --sparse-label-config (default: make model's label "
+                        "channels; e.g. .models/smollm2/sparse_labels_kpca.json for its basis)")
     p.add_argument("--label-dtype", default="auto", choices=LABEL_DTYPES,
                    help="the servers' --sparse-label-dtype (fp8_e4m3: the label channels rounded "
                         "to fp8, as the fp8 label cache stores them)")
@@ -336,7 +343,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             server_args = sparse_server_args(args.block_size, args.dense_decode, args.head_policy,
                                              args.eviction_head, args.label_dtype,
-                                             args.summary_dtype, args.kv_cache_dtype)
+                                             args.summary_dtype, args.kv_cache_dtype,
+                                             args.label_config)
             # One torch (OpenMP) thread per core and server, so servers do not preempt each other.
             os.environ["OMP_NUM_THREADS"] = str(threads_per_server)
             urls = [sv.url for sv in guard.start(server_args, "sglang_ext", args.servers)]

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from sglang_ext.config import SparseConfig
-from sglang_ext.selection.calibrate import load_label_config
+from sglang_ext.selection.calibrate import load_label_basis, load_label_config
 from sglang_ext.selection.mla import kv_layout
 from sglang_ext.selection.params import label_storage_dtype, summary_storage_dtype
 from sglang_ext.tensor_parallel import attn_tp, rank_kv_heads
@@ -90,16 +90,19 @@ class ModelFiles:
 
     ``label_channels``: ``[num_layers, kv heads, r]`` channel ids for token scores, or None (all
     channels); ``streaming_heads``: ``[num_layers, kv heads]`` True where a kv head streams
-    (Fluxion's head policy); ``eviction_heads``: NOSA's trained eviction heads."""
+    (Fluxion's head policy); ``eviction_heads``: NOSA's trained eviction heads;
+    ``label_basis``: the label config's basis ``(Bq, Bk)`` ``[num_layers, kv heads, D, D]``
+    (attention/qk_basis.py), or None."""
 
     label_channels: Optional[torch.Tensor] = None
     streaming_heads: Optional[torch.Tensor] = None
     eviction_heads: Optional[Any] = None
+    label_basis: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @classmethod
     def load(cls, model_runner: Any, config: SparseConfig) -> "ModelFiles":
         return cls(_label_channels(model_runner, config), _head_policy(model_runner, config),
-                   _eviction_heads(model_runner, config))
+                   _eviction_heads(model_runner, config), _label_basis(model_runner, config))
 
 
 def _rank_heads(total_heads: int) -> slice:
@@ -122,6 +125,25 @@ def _label_channels(model_runner: Any, config: SparseConfig) -> Optional[torch.T
         )
     mine = _rank_heads(layout.num_kv_heads)
     return channels[:, mine, : config.label_channels].to(model_runner.device)
+
+
+def _label_basis(model_runner: Any,
+                 config: SparseConfig) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    if config.label_config is None:
+        return None
+    mc = model_runner.model_config
+    layout = kv_layout(mc)
+    basis = load_label_basis(config.label_config, num_layers=mc.num_hidden_layers,
+                             num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim)
+    if basis is None:
+        return None
+    if config.eviction_head is not None:
+        raise ValueError("sglang_ext: --sparse-eviction-head scores keys in the model's own "
+                         "basis; it does not combine with a label config that has a basis")
+    mine = _rank_heads(layout.num_kv_heads)
+    logger.info("sglang_ext label basis: labels are the leading %d coordinates of a calibrated "
+                "basis of q/k (%s)", config.label_channels, config.label_config)
+    return basis[0][:, mine], basis[1][:, mine]
 
 
 def _head_policy(model_runner: Any, config: SparseConfig) -> Optional[torch.Tensor]:

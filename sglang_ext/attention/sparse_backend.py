@@ -25,6 +25,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang_ext import runtime
 from sglang_ext.attention import request_overrides
 from sglang_ext.attention.decode_plan import DecodeContext, DecodePlan, batch_kind
+from sglang_ext.attention.qk_basis import QKBasis
 from sglang_ext.attention.side_buffers import ModelFiles
 from sglang_ext.config import SparseConfig
 from sglang_ext.memory_tier.tiered_pool import TieredPool
@@ -75,6 +76,12 @@ class SparseDecodeBackend(AttentionBackend):
             files=ModelFiles.load(model_runner, config),
             enable_metrics=bool(getattr(server_args, "enable_metrics", False)),
         )
+        # --sparse-label-config with a basis: q and k change basis before anything sees them
+        basis = self.ctx.files.label_basis
+        if basis is not None and kv_lora_rank is not None:
+            raise ValueError("sglang_ext: a label basis does not support MLA models (latent KV "
+                             "pool) yet")
+        self.basis = QKBasis(*basis, self.device) if basis is not None else None
         self.decoder: Union[KernelDecoder, ReferenceDecoder]
         if self.impl == "triton":
             from sglang_ext.attention.kernel_decode import KernelDecoder
@@ -148,6 +155,8 @@ class SparseDecodeBackend(AttentionBackend):
         save_kv_cache: bool = True,
         **kwargs,
     ) -> torch.Tensor:
+        if self.basis is not None:
+            q, k = self.basis.rotate(layer.layer_id, q, k)
         dense = self._dense_backend()
         out = self.decoder.extend_shortcut(layer, q, k, v, forward_batch, save_kv_cache, dense)
         if out is None:
@@ -167,6 +176,8 @@ class SparseDecodeBackend(AttentionBackend):
         **kwargs,
     ) -> torch.Tensor:
         assert self.plan is not None, "init_forward_metadata was not called for this decode batch"
+        if self.basis is not None:
+            q, k = self.basis.rotate(layer.layer_id, q, k)
         return self.plan.run(layer, q, k, v, save_kv_cache)
 
     def support_triton(self) -> bool:

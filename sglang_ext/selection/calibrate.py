@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 FORMAT = "sglang_ext.labels/1"
+BASIS_FORMAT = "sglang_ext.label_basis/1"
 DEFAULT_CHANNELS = 16
 DEFAULT_MAX_TOKENS = 2048
 
@@ -219,13 +220,14 @@ def run_windows(model: nn.Module, windows: list[Tensor], callback: QKCallback, *
 
 @torch.inference_mode()
 def channel_importance(
-    model: nn.Module, input_ids: Tensor, *, seq_len: int, progress: bool = True
+    model: nn.Module, input_ids: Tensor, *, seq_len: int, progress: bool = True,
+    also: QKCallback | None = None,
 ) -> tuple[Tensor, int]:
     """Mean ``|q_d k_d|`` per (layer, kv head, channel): float64 ``[L, Hkv, D]``.
 
     ``input_ids`` is one long 1-D token sequence, run in windows of ``seq_len`` tokens
     (each an independent sequence starting at position 0). Returns the importance and
-    the number of positions it averages over.
+    the number of positions it averages over. ``also`` sees every layer's q / k too.
     """
 
     dims = model_dims(model)
@@ -235,6 +237,8 @@ def channel_importance(
 
     def accumulate(layer: int, q: Tensor, k: Tensor) -> None:
         total[layer] += qk_channel_mass(q, k)
+        if also is not None:
+            also(layer, q, k)
 
     run_windows(model, windows, accumulate, desc="calibrate", progress=progress)
     positions = input_ids.numel()
@@ -281,8 +285,15 @@ def calibrate(
     max_tokens: int = DEFAULT_MAX_TOKENS,
     seq_len: int | None = None,
     progress: bool = True,
-) -> dict[str, Any]:
-    """Run calibration and return the label-config payload (see module docstring)."""
+    basis: str = "none",
+) -> tuple[dict[str, Any], tuple[Tensor, Tensor] | None]:
+    """Run calibration; returns the label-config payload (see module docstring) and, with a
+    ``basis`` (:data:`label_basis.BASES`), that basis ``(Bq, Bk)`` ``[L, Hkv, D, D]``: the
+    payload's channels are then its first r coordinates."""
+    from sglang_ext.selection.label_basis import BASES, QKMoments, label_basis
+
+    if basis != "none" and basis not in BASES:
+        raise ValueError(f"--basis must be none or one of {', '.join(BASES)}, got {basis!r}")
     dims = model_dims(model)
     if not 1 <= channels <= dims["head_dim"]:
         raise ValueError(f"--channels must be in 1..{dims['head_dim']}, got {channels}")
@@ -292,11 +303,18 @@ def calibrate(
         raise ValueError("calibration text is empty after tokenization")
     limit = getattr(model.config, "max_position_embeddings", None) or len(ids)
     seq_len = min(seq_len or max_tokens, limit)
+    moments = None if basis == "none" else QKMoments(
+        dims["num_layers"], dims["num_kv_heads"], dims["head_dim"])
     importance, positions = channel_importance(
-        model, torch.tensor(ids, dtype=torch.long), seq_len=seq_len, progress=progress
+        model, torch.tensor(ids, dtype=torch.long), seq_len=seq_len, progress=progress,
+        also=moments,
     )
     chosen = top_channels(importance, channels)
-    return {
+    matrices = None
+    if moments is not None:
+        matrices = label_basis(*moments.means(), basis)
+        chosen = torch.arange(channels).expand(dims["num_layers"], dims["num_kv_heads"], -1)
+    payload = {
         "format": FORMAT,
         "model": dims,
         "label_channels": channels,
@@ -309,6 +327,7 @@ def calibrate(
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         },
     }
+    return payload, matrices
 
 
 def dumps_label_config(payload: dict[str, Any]) -> str:
@@ -377,6 +396,70 @@ def load_label_config(path: str | os.PathLike[str], *, num_layers: int, num_kv_h
     return channels
 
 
+def write_label_basis(path: Path, kind: str, bq: Tensor, bk: Tensor) -> dict[str, str]:
+    """Save a label basis (``[L, Hkv, D, D]`` each) and return the label config's ``basis``
+    entry: its kind, file name (beside the config) and sha256."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"format": BASIS_FORMAT, "kind": kind, "query": bq.contiguous(),
+                "key": bk.contiguous()}, tmp)
+    os.replace(tmp, path)
+    return {"kind": kind, "file": path.name,
+            "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+
+
+def label_config_has_basis(path: str | os.PathLike[str]) -> bool:
+    """Whether a readable label config names a basis (False for an unreadable one: its own
+    check reports that)."""
+    try:
+        payload = read_versioned_json(path, "label config", FORMAT)
+    except ValueError:
+        return False
+    return payload.get("basis") is not None
+
+
+def load_label_basis(path: str | os.PathLike[str], *, num_layers: int, num_kv_heads: int,
+                     head_dim: int) -> tuple[Tensor, Tensor] | None:
+    """The label basis ``(Bq, Bk)`` (float32 ``[L, Hkv, D, D]``) a label config names, or None
+    when it has channels only. ``ValueError`` in one line for a missing, altered or misshapen
+    basis file, or channels that are not its leading coordinates."""
+    from sglang_ext.selection.label_basis import BASES
+
+    where = f"label config {os.fspath(path)}"
+    payload = read_versioned_json(path, where, FORMAT)
+    entry = payload.get("basis")
+    if entry is None:
+        return None
+    if not isinstance(entry, dict) or entry.get("kind") not in BASES \
+            or not isinstance(entry.get("file"), str) or "sha256" not in entry:
+        raise ValueError(f"{where} has a malformed basis entry (kind in {BASES}, file, sha256)")
+    file = Path(path).parent / entry["file"]
+    try:
+        raw = file.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{where} names basis file {file} that cannot be read: "
+                         f"{exc.strerror or exc}") from exc
+    if hashlib.sha256(raw).hexdigest() != entry["sha256"]:
+        raise ValueError(f"{where}: basis file {file} does not match its sha256")
+    import io
+
+    try:
+        saved = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure is one bad file
+        raise ValueError(f"{where}: basis file {file} cannot be loaded ({exc})") from exc
+    want = (num_layers, num_kv_heads, head_dim, head_dim)
+    if not isinstance(saved, dict) or saved.get("format") != BASIS_FORMAT or any(
+            not isinstance(saved.get(n), Tensor) or tuple(saved[n].shape) != want
+            for n in ("query", "key")):
+        raise ValueError(f"{where}: basis file {file} must hold query/key tensors of shape "
+                         f"{list(want)} ({BASIS_FORMAT})")
+    channels = load_label_config(path, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                                 head_dim=head_dim)
+    if not torch.equal(channels, torch.arange(channels.shape[-1]).expand_as(channels)):
+        raise ValueError(f"{where}: with a basis the channels must be its leading coordinates "
+                         f"0..r-1")
+    return saved["query"].float(), saved["key"].float()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m sglang_ext.selection.calibrate",
@@ -390,13 +473,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per forward (default: --max-tokens)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--basis", choices=("none", "kpca", "qk"), default="none",
+                        help="score labels in a calibrated basis of each kv head's q/k space "
+                             "instead of r channels: kpca (the keys' principal directions) or "
+                             "qk (the rank-r form closest to q.k); written beside --out as "
+                             "NAME.basis.pt (default: none)")
     args = parser.parse_args(argv)
     if args.max_tokens < 2:
         parser.error("--max-tokens must be at least 2")
 
     model, tokenizer = load_model(args.model_path, args.dtype)
     text, source = load_text(args.text, max_tokens=args.max_tokens)
-    payload = calibrate(
+    payload, matrices = calibrate(
         model,
         tokenizer,
         text,
@@ -405,16 +493,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_tokens=args.max_tokens,
         seq_len=args.seq_len,
         progress=not args.quiet,
+        basis=args.basis,
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if matrices is not None:
+        payload["basis"] = write_label_basis(args.out.with_suffix(".basis.pt"), args.basis,
+                                             *matrices)
     tmp = args.out.with_name(args.out.name + ".tmp")
     tmp.write_text(dumps_label_config(payload), encoding="utf-8")
     os.replace(tmp, args.out)
     dims = payload["model"]
+    what = f"coordinates of a {args.basis} basis" if matrices is not None else "channels"
     print(
         f"wrote {args.out}: {dims['num_layers']} layers x {dims['num_kv_heads']} kv heads x "
-        f"{args.channels}/{dims['head_dim']} channels from {payload['calibration']['tokens']} tokens "
-        f"({source})"
+        f"{args.channels}/{dims['head_dim']} {what} from {payload['calibration']['tokens']} "
+        f"tokens ({source})"
     )
     return 0
 
