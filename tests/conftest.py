@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-_SINGLE_THREADED = ("test_kernels_", "test_selection_reference")
+_SINGLE_THREADED = ("test_kernels_", "test_selection_reference", "test_bench_operator")
 
 
 @pytest.fixture(autouse=True, scope="module")

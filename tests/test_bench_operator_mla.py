@@ -21,15 +21,6 @@ RESULTS = (Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "ope
            / "operator_h200.json")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The interpreter's tiny tensor ops run far slower with two threads on two cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @cpu_only
 def test_tiny_check_passes_with_ours_and_sglang_triton_mla():
     report = mla.run_check(**mla.tiny_check_setup())

@@ -18,14 +18,6 @@ from sglang_ext.kernels.testing import case_generator, make_paged_batch, random_
 from sglang_ext.selection.params import SelectionParams
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("rerank", [0, 2])
 def test_each_stage_alone_recomputes_the_selections_intermediates(rerank: int) -> None:
     gen = case_generator("bench-stages", rerank)

@@ -111,19 +111,25 @@ def _rank_heads(total_heads: int) -> slice:
     return slice(heads.start, heads.stop)
 
 
+def _label_file_shape(model_runner: Any) -> dict[str, int]:
+    """The model shape a label file must have been calibrated for (all kv heads)."""
+    mc = model_runner.model_config
+    layout = kv_layout(mc)
+    return dict(num_layers=mc.num_hidden_layers, num_kv_heads=layout.num_kv_heads,
+                head_dim=layout.head_dim)
+
+
 def _label_channels(model_runner: Any, config: SparseConfig) -> Optional[torch.Tensor]:
     if config.label_config is None:
         return None
-    mc = model_runner.model_config
-    layout = kv_layout(mc)
-    channels = load_label_config(config.label_config, num_layers=mc.num_hidden_layers,
-                                 num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim)
+    shape = _label_file_shape(model_runner)
+    channels = load_label_config(config.label_config, **shape)
     if config.label_channels > channels.shape[-1]:
         raise ValueError(
             f"--sparse-label-channels {config.label_channels} exceeds the "
             f"{channels.shape[-1]} channels calibrated in {config.label_config}"
         )
-    mine = _rank_heads(layout.num_kv_heads)
+    mine = _rank_heads(shape["num_kv_heads"])
     return channels[:, mine, : config.label_channels].to(model_runner.device)
 
 
@@ -131,16 +137,14 @@ def _label_basis(model_runner: Any,
                  config: SparseConfig) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     if config.label_config is None:
         return None
-    mc = model_runner.model_config
-    layout = kv_layout(mc)
-    basis = load_label_basis(config.label_config, num_layers=mc.num_hidden_layers,
-                             num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim)
+    shape = _label_file_shape(model_runner)
+    basis = load_label_basis(config.label_config, **shape)
     if basis is None:
         return None
     if config.eviction_head is not None:
         raise ValueError("sglang_ext: --sparse-eviction-head scores keys in the model's own "
                          "basis; it does not combine with a label config that has a basis")
-    mine = _rank_heads(layout.num_kv_heads)
+    mine = _rank_heads(shape["num_kv_heads"])
     logger.info("sglang_ext label basis: labels are the leading %d coordinates of a calibrated "
                 "basis of q/k (%s)", config.label_channels, config.label_config)
     return basis[0][:, mine], basis[1][:, mine]
