@@ -122,6 +122,9 @@ def parse_args(argv=None):
     p.add_argument("--fi-tensor-cores", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--triton-max-kv-splits", type=int, default=8,
                    help="SGLang --triton-attention-num-kv-splits (default 8)")
+    p.add_argument("--compare-basis", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time ours with a label basis's rotation of q and k in front "
+                        "(ours_basis_ms)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-graphs", action="store_true", help="time eager calls, no CUDA graphs")
@@ -849,9 +852,27 @@ def run_benchmark(args, device: str = "cuda") -> dict:
                     return lambda: select_slots_batched(q, cache, decode_rows, prm, ws)
                 return lambda: sparse_decode_batched(q, cache, decode_rows, prm, sm_scale, ws)
 
+            def ours_in_basis():
+                """ours after the label basis's rotation of q and of the step's new keys
+                (attention/qk_basis.py: two small GEMMs per layer; random orthonormal here)."""
+                from sglang_ext.attention.qk_basis import QKBasis
+
+                rotations = torch.linalg.qr(torch.randn(1, HKV, HEAD_DIM, HEAD_DIM,
+                                                        device=dev))[0]
+                basis = QKBasis(rotations, rotations, dev)
+                new_keys = torch.randn(batch, HKV, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+                decode = ours(args.topk_impl)
+
+                def run():
+                    basis.rotate(0, q, new_keys)
+                    return decode()
+                return run
+
             outs = {}
             builders = [("ours", lambda: ours(args.topk_impl)),
                         ("ours_select", lambda: ours(args.topk_impl, select_only=True))]
+            if args.compare_basis:
+                builders.append(("ours_basis", ours_in_basis))
             if args.compare_label_cache and labels is not None:
                 other = "no_label_cache" if args.label_cache else "label_cache"
                 builders.append((f"ours_{other}", lambda: ours(

@@ -38,9 +38,13 @@ DEFAULT_TASKS = ("passkey", "niah_number", "niah_multikey", "niah_multivalue", "
                  "common_words")
 
 
+DEFAULT_LABELS = "sparse_labels.json"
+
+
 def launch_args(model_dir: str, block_size: int, storage: str, port: int,
-                context_length: int) -> list[str]:
-    labels = os.path.join(model_dir, "sparse_labels.json")
+                context_length: int, labels: str = DEFAULT_LABELS) -> list[str]:
+    """``labels``: the label file in ``model_dir`` (channels, or a basis: calibrate --basis)."""
+    labels = os.path.join(model_dir, labels)
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir,
             "--host", "127.0.0.1", "--port", str(port),
             "--context-length", str(context_length), "--mem-fraction-static", "0.5",
@@ -69,12 +73,16 @@ def run_config(args: argparse.Namespace, block_size: int, storage: str) -> str:
     """One server: the suite at every context; returns the results file."""
     from benchmarks.accuracy import driver
 
-    out = os.path.join(args.out_dir, f"smollm2_b{block_size}_{storage}.json")
+    # a label file other than the channels names its results: sparse_labels_kpca.json -> _kpca
+    tag = "" if args.labels == DEFAULT_LABELS else \
+        "_" + os.path.splitext(args.labels)[0].removeprefix("sparse_labels_")
+    out = os.path.join(args.out_dir, f"smollm2_b{block_size}_{storage}{tag}.json")
     port = 30000 + block_size + (1 if storage == "fp8" else 0)
-    log_path = os.path.join(args.out_dir, f"server_b{block_size}_{storage}.log")
+    log_path = os.path.join(args.out_dir, f"server_b{block_size}_{storage}{tag}.log")
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            launch_args(args.model_dir, block_size, storage, port, args.context_length),
+            launch_args(args.model_dir, block_size, storage, port, args.context_length,
+                        args.labels),
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             t0 = time.time()
@@ -160,6 +168,9 @@ def plot(doc: dict, path: str) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", required=True, help="a converted model with sparse_labels.json")
+    p.add_argument("--labels", default=DEFAULT_LABELS,
+                   help="the label file in --model-dir (e.g. sparse_labels_kpca.json, a basis: "
+                        "results then end in _kpca)")
     p.add_argument("--block-sizes", nargs="+", type=int, default=[32, 16])
     p.add_argument("--storages", nargs="+", default=["bf16"], choices=list(STORAGE_ARGS))
     p.add_argument("--contexts", nargs="+", type=int, default=[2048, 4096, 8000])

@@ -219,11 +219,13 @@ for step in "$@"; do
       mkdir -p /tmp/gguf && cp .parts*/gguf.part.* /tmp/gguf/ && ls -l /tmp/gguf || status=1 ;;
     smollm2)
       # The parts joined, checked against the PyPI package's GGUF and converted into
-      # /tmp/smollm2, with the label config calibrated here (carried: .models/smollm2/).
+      # /tmp/smollm2, with the label configs calibrated here (carried: .models/smollm2/'s
+      # sparse_labels*.json and the basis files they name, *.basis.pt).
       cat /tmp/gguf/gguf.part.* > /tmp/smollm2.gguf \
         && echo "$(cat benchmarks/device/smollm2.sha256)  /tmp/smollm2.gguf" | sha256sum -c \
         && python3 -m sglang_ext.models.convert_gguf --gguf /tmp/smollm2.gguf --out /tmp/smollm2 \
-        && cp .models/smollm2/sparse_labels.json /tmp/smollm2/ || status=1 ;;
+        && cp .models/smollm2/sparse_labels*.json /tmp/smollm2/ \
+        && { cp .models/smollm2/*.basis.pt /tmp/smollm2/ 2>/dev/null || true; } || status=1 ;;
     fidelity)
       # The accuracy suite on SmolLM2's real weights through the served GPU path (Triton
       # impl, CUDA graphs), every setting per request on one server per (block, storage):

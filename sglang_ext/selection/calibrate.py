@@ -13,7 +13,9 @@ the channel indices refer to that space. The default text is the docstrings of t
 standard library of the running interpreter: real English prose that exists on every
 machine without any download.
 
-The output JSON is read back by :func:`load_label_config`.
+The output JSON is read back by :func:`load_label_config`. With ``--basis kpca|qk`` the labels
+are instead the leading coordinates of a calibrated basis of each kv head's q/k space
+(:mod:`sglang_ext.selection.label_basis`), saved beside the JSON (:func:`load_label_basis`).
 """
 
 from __future__ import annotations
