@@ -161,7 +161,8 @@ class Run:
                                                   pool.v_buffer[layer])
             rows = DecodeRows(r2t, rpi, seq_lens)
             # an 8-bit pool stores bytes, which the backend reads viewed as the KV dtype
-            keys, values = (buf[layer].view(self.kv_dtype)
+            keys, values = (buf[layer] if buf[layer].dtype == self.kv_dtype
+                            else buf[layer].view(self.kv_dtype)
                             for buf in (pool.k_buffer, pool.v_buffer))
             got = sparse_decode_batched(
                 q, LayerCache(keys, values, kmin, kmax, channels=self.channels),
