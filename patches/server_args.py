@@ -133,6 +133,7 @@ def _check_label_config(server_args: Any, cfg: sparse_config.SparseConfig) -> No
     if cfg.label_config is None:
         return
     from sglang_ext.selection.calibrate import load_label_basis, load_label_config
+    from sglang_ext.selection.label_basis import EVICTION_HEAD_CONFLICT
 
     mc = server_args.get_model_config()
     layout = kv_layout(mc)
@@ -148,9 +149,7 @@ def _check_label_config(server_args: Any, cfg: sparse_config.SparseConfig) -> No
     except ValueError as e:
         raise SystemExit(f"sglang_ext: --sparse-label-config: {e}") from None
     if basis is not None and cfg.eviction_head is not None:
-        raise SystemExit("sglang_ext: --sparse-eviction-head scores keys in the model's own "
-                         "basis; it does not combine with a --sparse-label-config that has a "
-                         "basis")
+        raise SystemExit(f"sglang_ext: {EVICTION_HEAD_CONFLICT}")
     if cfg.label_channels > channels.shape[-1]:
         raise SystemExit(
             f"sglang_ext: --sparse-label-channels must be <= {channels.shape[-1]}, the channels "

@@ -18,6 +18,7 @@ import torch
 
 from sglang_ext.config import SparseConfig
 from sglang_ext.selection.calibrate import load_label_basis, load_label_config
+from sglang_ext.selection.label_basis import EVICTION_HEAD_CONFLICT
 from sglang_ext.selection.mla import kv_layout
 from sglang_ext.selection.params import label_storage_dtype, summary_storage_dtype
 from sglang_ext.tensor_parallel import attn_tp, rank_kv_heads
@@ -142,8 +143,7 @@ def _label_basis(model_runner: Any,
     if basis is None:
         return None
     if config.eviction_head is not None:
-        raise ValueError("sglang_ext: --sparse-eviction-head scores keys in the model's own "
-                         "basis; it does not combine with a label config that has a basis")
+        raise ValueError(f"sglang_ext: {EVICTION_HEAD_CONFLICT}")
     mine = _rank_heads(shape["num_kv_heads"])
     logger.info("sglang_ext label basis: labels are the leading %d coordinates of a calibrated "
                 "basis of q/k (%s)", config.label_channels, config.label_config)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ast
 import hashlib
+import io
 import json
 import math
 import os
@@ -442,8 +443,6 @@ def load_label_basis(path: str | os.PathLike[str], *, num_layers: int, num_kv_he
                          f"{exc.strerror or exc}") from exc
     if hashlib.sha256(raw).hexdigest() != entry["sha256"]:
         raise ValueError(f"{where}: basis file {file} does not match its sha256")
-    import io
-
     try:
         saved = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is one bad file

@@ -1,5 +1,6 @@
 """Label bases: a change of basis of each kv head's query/key space in which r coordinates carry
-q·k best (research stage: ``benchmarks/block_filter_study.py`` uses it; the server does not yet).
+q·k best (``calibrate --basis``; the server applies one at its entry, attention/qk_basis.py; the
+research harness ``benchmarks/block_filter_study.py`` compares them with channels).
 
 Double Sparsity scores a token by r of the D channels of q·k (``calibrate.py`` picks them). A
 basis change ``q' = q Bq``, ``k' = k Bk`` with ``Bq Bkᵀ = I`` leaves every q·k unchanged
@@ -27,6 +28,9 @@ BASES = ("kpca", "qk")
 # Tikhonov term (relative to the mean eigenvalue) that keeps the whitening finite on a
 # direction the calibration text never excites.
 _RIDGE = 1e-6
+# NOSA's eviction heads are trained on keys in the model's own basis.
+EVICTION_HEAD_CONFLICT = ("--sparse-eviction-head scores keys in the model's own basis; it does "
+                          "not combine with a --sparse-label-config that has a basis")
 
 
 @dataclass
