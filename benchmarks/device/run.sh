@@ -290,4 +290,15 @@ for step in "$@"; do
   esac
 done
 [ ${#warmups[@]} -gt 0 ] && wait "${warmups[@]}"
+# Results files are named for the H200 (operator_h200.json, ...). A call that ran on another card
+# (a plain run may get an H100) renames its files in the device's $OUT after that card, so that
+# no H100 number lands under an H200 name (each file also records the GPU it ran on).
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+card=$(echo "$gpu" | grep -oE 'H[0-9]{3}' | head -1 | tr 'H' 'h')
+if [ -n "$OUT_GIVEN" ] && [ -n "$card" ] && [ "$card" != h200 ]; then
+  find "$OUT_GIVEN" -name '*_h200*' | while read -r f; do
+    mv "$f" "$(dirname "$f")/$(basename "$f" | sed "s/_h200/_$card/g")"
+  done
+  echo "ran on $gpu: result files renamed _h200 -> _$card"
+fi
 exit $status
