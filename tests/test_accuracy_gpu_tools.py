@@ -32,6 +32,15 @@ def test_configurations_gather_tagged(tmp_path):
     assert (row["impl"], row["block_size"], row["storage"]) == ("triton", 32, "fp8")
     assert row["budget_share"] == 128 / 2048 and row["dense_score"] == 80.0
     assert (tmp_path / "all.png").exists()
+    assert row["labels"] == "channels"
+
+
+def test_a_basis_configuration_gathers_tagged_with_its_labels(tmp_path):
+    path = tmp_path / "smollm2_b16_bf16_kpca.json"
+    path.write_text(json.dumps({"commit": "abc", "config": {"server": "x"},
+                                "rows": [_row("two_level", 128, 60, 42, 75)]}))
+    row = combine([str(path)], str(tmp_path / "all.json"))["rows"][0]
+    assert (row["block_size"], row["storage"], row["labels"]) == (16, "bf16", "kpca")
 
 
 def test_pareto_rows_pair_each_filter_with_its_time():

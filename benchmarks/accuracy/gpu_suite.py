@@ -108,12 +108,14 @@ def combine(paths: Sequence[str], out: str) -> dict:
     for path in paths:
         with open(path) as f:
             doc = json.load(f)
+        # smollm2_b32_bf16.json, or with a label basis smollm2_b32_bf16_kpca.json
         stem = os.path.basename(path)[len("smollm2_b"):-len(".json")]
-        block_size, storage = stem.split("_")
+        block_size, storage, *basis = stem.split("_")
         configs.append({"file": os.path.basename(path), "commit": doc.get("commit"),
                         "server": doc.get("config", {}).get("server")})
         for r in doc["rows"]:
             rows.append({"impl": "triton", "block_size": int(block_size), "storage": storage,
+                         "labels": basis[0] if basis else "channels",
                          "budget_share": (r["budget"] / r["context"]) if r["budget"] else None,
                          **{k: r.get(k) for k in ("method", "context", "budget", "task",
                                                   "score", "n", "ci_low", "ci_high",
