@@ -81,6 +81,7 @@ class SparseConfig:
     block_filter: str = "sync"  # AsyncTLS's one-step-ahead block filter: see BLOCK_FILTER_MODES
     block_score: str = "auto"  # how the block filter ranks blocks: see BLOCK_SCORE_MODES
     rerank: int = 0  # exact q.k reranks rerank x the label-picked tokens (0 = off)
+    rerank_min_tokens: int = 256  # ... but at least this many (a small budget's floor)
     prefilter: int = 0  # the bound keeps prefilter x the candidate blocks for label_max (0 = off)
 
     @property
@@ -116,7 +117,10 @@ class SparseConfig:
             return self.candidate_blocks
         middle = max(self.budget - self.sink - self.window, 0)
         # with the exact rerank the filter keeps room for its whole shortlist, twice over
-        return max(1, 2 * max(1, self.rerank) * -(-middle // self.block_size))
+        blocks = 2 * max(1, self.rerank) * -(-middle // self.block_size)
+        if self.rerank:  # ... and for the shortlist's floor
+            blocks = max(blocks, 2 * -(-self.rerank_min_tokens // self.block_size))
+        return max(1, blocks)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -259,6 +263,11 @@ _FLAGS: tuple[tuple[str, str, str, str], ...] = (
      "context, SmolLM2). Costs reading FACTOR x the selected tokens' keys once more. 0 = off; "
      "else >= 2; ds and two_level, not with the tier, the locality constraint, the guard or "
      "the async block filter."),
+    ("rerank_min_tokens", "--sparse-rerank-min-tokens", "TOKENS",
+     "With --sparse-rerank: the shortlist holds at least TOKENS tokens (and the automatic "
+     "--sparse-candidate-blocks room for twice that). The label scores' rank error grows with "
+     "the context, not the budget: at budget 1/64 of 2k (20 selected tokens) a shortlist of "
+     "4 x 20 missed needles that 256 kept. Large budgets (2048: 4 x 1968) are unaffected."),
     ("prefilter", "--sparse-block-prefilter", "FACTOR",
      "The block filter's cascade: Quest's bound (cheap) keeps FACTOR times "
      "--sparse-candidate-blocks pages, and the label maximum ranks only those to keep the "
@@ -347,6 +356,8 @@ def _coerce(field: str, value: Any, default: Any) -> Any:
 def _validate_rerank(cfg: SparseConfig, fail: Callable[[str, str], None]) -> None:
     if cfg.rerank < 0 or cfg.rerank == 1:
         fail("rerank", "must be 0 (off) or >= 2 (the shortlist's size over the budget's)")
+    if cfg.rerank_min_tokens < 0:
+        fail("rerank_min_tokens", "must be >= 0 (0 = no floor)")
     if cfg.rerank and (cfg.method not in ("ds", "two_level") or cfg.scoring != "score"):
         fail("rerank", "reranks label scores: it needs --sparse-method ds or two_level with "
              "--sparse-scoring score")

@@ -414,3 +414,25 @@ def test_rerank_reaches_every_request_and_both_decodes():
     for values in ({"guard_every": 8}, {"block_filter": "async"}):
         with pytest.raises(ConfigError, match="--sparse-rerank"):
             build_config(rerank=4, **values)
+
+
+def test_rerank_min_tokens_is_a_floor_under_small_budgets_only():
+    """--sparse-rerank-min-tokens: at budget 1/64 of 2k (20 selected tokens, block 32) the
+    shortlist and the automatic block filter grow to the floor; at the default budget the
+    factor dominates and nothing changes; a request may set its own; negative is refused."""
+    from sglang_ext.attention.request_overrides import parse_override
+    from sglang_ext.selection.params import shortlist_tokens
+
+    small = dict(rerank=4, budget=32, sink=4, window=8, block_size=32)
+    assert build_config(**small, rerank_min_tokens=0).effective_candidate_blocks == 2 * 4
+    assert build_config(**small).effective_candidate_blocks == 2 * 256 // 32  # the default 256
+    assert shortlist_tokens(parse_override(None, build_config(**small))) == 256
+    assert shortlist_tokens(parse_override(None, build_config(**small, rerank_min_tokens=0))) == 80
+    big = build_config(rerank=4)
+    assert big.effective_candidate_blocks == build_config(rerank=4, rerank_min_tokens=0) \
+        .effective_candidate_blocks
+    assert shortlist_tokens(parse_override(None, big)) == 4 * (2048 - 16 - 64)
+    request = parse_override({"sparse": {"rerank_min_tokens": 0}}, build_config(**small))
+    assert shortlist_tokens(request) == 80 and request.candidate_blocks == 8
+    with pytest.raises(ConfigError, match="--sparse-rerank-min-tokens"):
+        build_config(rerank_min_tokens=-1)

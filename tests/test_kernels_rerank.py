@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from sglang_ext.kernels.rerank import (
@@ -22,6 +24,12 @@ def test_shortlist_selection_widens_the_budget_by_the_shortlist() -> None:
     assert shortlist_selection(ds) == SelectionParams("ds", 20 + 3 * 80, 4, 0, 4, 16)
     two = SelectionParams("two_level", 100, 4, 30, 4, 16, rerank=4)  # 120 candidate tokens
     assert shortlist_selection(two).budget == 20 + 120 and shortlist_selection(two).rerank == 0
+    # --sparse-rerank-min-tokens: a floor under the factor's shortlist, still capped by two_level's
+    # candidates
+    floor = dataclasses.replace(ds, rerank_min_tokens=500)
+    assert shortlist_selection(floor).budget == 20 + 500
+    assert shortlist_selection(dataclasses.replace(ds, rerank_min_tokens=100)).budget == 20 + 240
+    assert shortlist_selection(dataclasses.replace(two, rerank_min_tokens=500)).budget == 20 + 120
 
 
 def test_scores_match_reference_and_keep_what_is_not_ranked() -> None:

@@ -15,6 +15,7 @@ import torch
 import pytest
 
 from sglang_ext.kernels.block_summary import update_block_summaries
+from sglang_ext.kernels.rerank import shortlist_selection
 from sglang_ext.kernels.sparse_decode import (
     DecodeRows,
     LayerCache,
@@ -521,21 +522,26 @@ def _gpu_dyadic_case(*tag):
 
 
 @pytest.mark.parametrize("method", ["ds", "two_level", "two_level_label_max"])
-@pytest.mark.parametrize("rerank", [2, 3])
-def test_exact_rerank_matches_reference(method, rerank):
+@pytest.mark.parametrize("rerank,floor", [(2, 0), (3, 0), (2, 40)])
+def test_exact_rerank_matches_reference(method, rerank, floor):
     """--sparse-rerank: the shortlist's slot list cut to the budget by the exact q·k selects
     the reference's sets, for contexts within the budget, within the widened budget (ranked
-    whole) and past it."""
+    whole) and past it; with --sparse-rerank-min-tokens the shortlist is at least the floor."""
     label_max = method.endswith("_label_max")
     method = method.removesuffix("_label_max")
     bs, sink, window, budget = 4, 3, 5, 24
     n_sel = budget - sink - window
-    params = SelectionParams(method, budget, bs, 2 * n_sel // bs, sink, window, rerank=rerank,
+    # candidates: what two_level caps the shortlist at (without a floor, under rerank x n_sel)
+    candidates = 2 * (floor or n_sel) // bs
+    params = SelectionParams(method, budget, bs, candidates, sink,
+                             window, rerank=rerank, rerank_min_tokens=floor,
                              block_score="label_max" if label_max else "bound")
-    wide = budget + min(rerank * n_sel, params.candidate_blocks * bs
-                        if method == "two_level" else rerank * n_sel) - n_sel
+    shortlist = max(rerank * n_sel, floor)
+    wide = budget + min(shortlist, params.candidate_blocks * bs
+                        if method == "two_level" else shortlist) - n_sel
+    assert shortlist_selection(params).budget == wide
     lens = [budget, budget + 7, wide, wide + 1, 97]
-    _check_small_fp32(params, lens, "decode-rerank", method, label_max, rerank)
+    _check_small_fp32(params, lens, "decode-rerank", method, label_max, rerank, floor)
 
 
 def _check_small_fp32(params, lens, *tag):

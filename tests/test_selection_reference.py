@@ -561,17 +561,18 @@ def test_rerank_picks_by_exact_score_among_the_label_shortlist() -> None:
     plain = SelectionParams("ds", 48, 4, 0, 4, 8)
     n_sel = 48 - 4 - 8
     lo, hi = 4, length - 8
-    for rerank in (2, 4):
-        p = dataclasses.replace(plain, rerank=rerank)
+    # (factor, floor): the shortlist is max(factor x n_sel, floor) tokens
+    for rerank, floor, size in ((2, 0, 2 * n_sel), (4, 0, 4 * n_sel), (2, 150, 150)):
+        p = dataclasses.replace(plain, rerank=rerank, rerank_min_tokens=floor)
         mask = select_token_mask(q, keys, p, channels)
         label = label_token_scores(q, keys[lo:hi], channels)
         exact = label_token_scores(q, keys[lo:hi], None)
         for h in range(hkv):
-            shortlist = label[h].argsort(descending=True, stable=True)[: rerank * n_sel]
+            shortlist = label[h].argsort(descending=True, stable=True)[:size]
             best = shortlist[exact[h, shortlist].argsort(descending=True, stable=True)[:n_sel]]
             expected = torch.zeros(hi - lo, dtype=torch.bool)
             expected[best] = True
-            assert torch.equal(mask[h, lo:hi], expected), (rerank, h)
+            assert torch.equal(mask[h, lo:hi], expected), (rerank, floor, h)
     whole = dataclasses.replace(plain, rerank=(hi - lo) // n_sel + 1)
     assert torch.equal(select_token_mask(q, keys, whole, channels),
                        select_token_mask(q, keys, plain, None))  # no channels: exact scores

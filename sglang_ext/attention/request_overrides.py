@@ -23,7 +23,7 @@ OVERRIDE_KEY = "sparse"
 DENSE = "dense"
 OVERRIDABLE = ("method", "budget", "block_size", "candidate_blocks", "sink", "window", "scoring",
                "head_policy", "locality_blocks", "eviction_score", "locality_new_blocks",
-               "block_filter", "block_score", "rerank", "prefilter")
+               "block_filter", "block_score", "rerank", "prefilter", "rerank_min_tokens")
 
 # What a request decodes with: SelectionParams, or None for dense attention.
 RequestSparsity = Optional[SelectionParams]
@@ -50,6 +50,7 @@ def selection_params(cfg: SparseConfig, use_head_policy: Optional[bool] = None) 
         block_score=cfg.effective_block_score,
         rerank=cfg.rerank,
         prefilter=cfg.prefilter,
+        rerank_min_tokens=cfg.rerank_min_tokens,
     )
 
 
@@ -77,7 +78,7 @@ def parse_override(custom_params: Optional[Mapping[str, Any]], base: SparseConfi
         raise ValueError(f"custom_params.{OVERRIDE_KEY}.head_policy needs a server started with "
                          f"--sparse-head-policy")
     values = dataclasses.asdict(base)
-    if {"budget", "rerank"} & set(raw) and "candidate_blocks" not in raw:
+    if {"budget", "rerank", "rerank_min_tokens"} & set(raw) and "candidate_blocks" not in raw:
         values["candidate_blocks"] = 0  # re-derive the automatic value from the new budget
     if "method" in raw and raw["method"] != "two_level":
         # The server's output-aware scoring and locality constraint are two_level's (its fp8
@@ -95,7 +96,8 @@ def parse_override(custom_params: Optional[Mapping[str, Any]], base: SparseConfi
         values["locality_new_blocks"] = 0  # the limit belongs to the constraint: off with it
     if "block_score" not in raw and {"method", "locality_blocks", "block_filter"} & set(raw):
         values["block_score"] = "auto"  # the server's label_max may not apply to the request's
-    for key in ("locality_blocks", "locality_new_blocks", "rerank", "prefilter"):
+    for key in ("locality_blocks", "locality_new_blocks", "rerank", "prefilter",
+                "rerank_min_tokens"):
         if key in raw and (isinstance(raw[key], bool) or not isinstance(raw[key], int)):
             raise ValueError(f"custom_params.{OVERRIDE_KEY}.{key} must be an integer, "
                              f"got {raw[key]!r}")

@@ -74,6 +74,8 @@ class SelectionParams:
     values as stored, so that it selects what the kernels select.
     ``rerank`` (ds, two_level with label scores): 0, or the label scores shortlist ``rerank``
     times the selected tokens and the exact q·k picks among them (:func:`rerank_top_k_mask`).
+    ``rerank_min_tokens`` (with ``rerank``): the shortlist holds at least this many tokens
+    (:func:`shortlist_tokens`).
     ``prefilter`` (two_level with block_score label_max): 0, or the cascade: the bound keeps
     ``prefilter`` times ``candidate_blocks`` blocks and the label maximum ranks only those
     (on the GPU the label maximum would then score those blocks only).
@@ -96,6 +98,7 @@ class SelectionParams:
     block_score: str = "bound"
     rerank: int = 0
     prefilter: int = 0
+    rerank_min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -135,6 +138,8 @@ class SelectionParams:
                 self.rerank and (self.method not in ("ds", "two_level") or self.scoring != "score")):
             raise ValueError(f"rerank must be 0 or >= 2 (ds, two_level with label scores), got "
                              f"{self.rerank} with {self.method!r}, {self.scoring!r}")
+        if self.rerank_min_tokens < 0:
+            raise ValueError(f"rerank_min_tokens must be >= 0, got {self.rerank_min_tokens}")
         if self.prefilter < 0 or self.prefilter == 1 or (
                 self.prefilter and (self.method != "two_level" or self.block_score != "label_max")):
             raise ValueError(f"prefilter must be 0 or >= 2 (two_level with block_score label_max), "
@@ -147,10 +152,16 @@ class SelectionParams:
 
 def shortlist_tokens(params: SelectionParams) -> int:
     """How many tokens the label scores shortlist for the exact rerank: ``rerank`` times the
-    selected ones, at most what two_level's candidate blocks hold. A middle this short (or
-    shorter) is ranked by the exact q·k whole, as a context within the budget is attended
-    whole."""
+    selected ones but at least ``rerank_min_tokens``, and at most what two_level's candidate
+    blocks hold. A middle this short (or shorter) is ranked by the exact q·k whole, as a
+    context within the budget is attended whole.
+
+    Why a floor: what the shortlist must absorb is the label scores' rank error, which grows
+    with the context rather than with the budget. A small budget's shortlist (1/64 of 2k: 20
+    tokens x 4) missed needles that a few hundred tokens keep; at large budgets the factor
+    dominates and the floor costs nothing."""
     n_sel = params.budget - params.sink - params.window
+    wanted = max(params.rerank * n_sel, params.rerank_min_tokens)
     if params.method == "two_level":
-        return min(params.rerank * n_sel, params.candidate_blocks * params.block_size)
-    return params.rerank * n_sel
+        return min(wanted, params.candidate_blocks * params.block_size)
+    return wanted

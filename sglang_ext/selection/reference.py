@@ -183,14 +183,14 @@ def output_aware_token_mask(scores: Tensor, value_norms: Tensor, total: int,
 
 
 def rerank_top_k_mask(q: Tensor, keys: Tensor, label_scores: Tensor, k: int,
-                      rerank: int) -> Tensor:
-    """Bool ``[Hkv, M]``: the ``k`` best of ``keys`` ``[M, Hkv, D]`` by label score, or with
-    ``rerank`` by the exact q·k (all channels, max over each kv head's query heads) among the
-    ``rerank * k`` best by label score. Positions scored ``-inf`` (outside the kept blocks) are
-    never shortlisted."""
-    if not rerank:
+                      shortlist_size: int) -> Tensor:
+    """Bool ``[Hkv, M]``: the ``k`` best of ``keys`` ``[M, Hkv, D]`` by label score, or with a
+    ``shortlist_size`` (0: no rerank) by the exact q·k (all channels, max over each kv head's
+    query heads) among the ``shortlist_size`` best by label score. Positions scored ``-inf``
+    (outside the kept blocks) are never shortlisted."""
+    if not shortlist_size:
         return _top_k_mask(label_scores, k)
-    shortlist = _top_k_mask(label_scores, min(rerank * k, label_scores.shape[1]))
+    shortlist = _top_k_mask(label_scores, min(shortlist_size, label_scores.shape[1]))
     shortlist &= label_scores > float("-inf")
     exact = label_token_scores(q, keys, None).masked_fill(~shortlist, float("-inf"))
     return _top_k_mask(exact, k) & shortlist
@@ -226,12 +226,13 @@ def _select_middle(
     n_sel = params.budget - params.sink - params.window
     if n_sel == 0:
         return torch.zeros(keys.shape[1], hi - lo, dtype=torch.bool, device=keys.device)
-    if params.rerank and hi - lo <= shortlist_tokens(params):
+    shortlist = shortlist_tokens(params) if params.rerank else 0
+    if params.rerank and hi - lo <= shortlist:
         return _top_k_mask(label_token_scores(q, keys[lo:hi], None), n_sel)
     if params.method == "ds":
         return rerank_top_k_mask(q, keys[lo:hi],
                                  label_token_scores(q, keys[lo:hi], channels, params.label_dtype),
-                                 n_sel, params.rerank)
+                                 n_sel, shortlist)
 
     bs = params.block_size
     block_q = q if block_query is None else block_query
@@ -280,7 +281,7 @@ def _select_middle(
         norms = values[lo:hi].float().norm(dim=-1).transpose(0, 1)  # [Hkv, M]
         return output_aware_token_mask(scores, norms, n_sel * keys.shape[1],
                                        q.shape[-1] ** -0.5) & in_kept
-    return rerank_top_k_mask(q, keys[lo:hi], scores, n_sel, params.rerank) & in_kept
+    return rerank_top_k_mask(q, keys[lo:hi], scores, n_sel, shortlist) & in_kept
 
 
 def retrieval_params(params: SelectionParams, num_kv_heads: int, num_retrieval: int) -> SelectionParams:
