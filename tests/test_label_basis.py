@@ -111,6 +111,9 @@ def test_the_backend_rotation_keeps_attention(kind: str) -> None:
     k, v = keys[:40].float(), torch.randn(40, HKV, D, generator=gen)
     q2, k2 = basis.rotate(1, q, k)
     assert q2.shape == q.shape and k2.shape == k.shape and q2.dtype == q.dtype
+    # the KV pool views k flat (k.view(-1, row)): a strided result fails there
+    assert q2.is_contiguous() and k2.is_contiguous()
+    k2.view(k2.shape[0], -1)
 
     def attend(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         qg = q.reshape(5, HKV, GROUP, D)
@@ -120,3 +123,4 @@ def test_the_backend_rotation_keeps_attention(kind: str) -> None:
     torch.testing.assert_close(attend(q2, k2), attend(q, k), atol=1e-4, rtol=1e-4)
     q3, none = basis.rotate(0, q.reshape(5, HKV * GROUP, D).bfloat16(), None)
     assert none is None and q3.dtype == torch.bfloat16 and q3.shape == (5, HKV * GROUP, D)
+    assert q3.is_contiguous()

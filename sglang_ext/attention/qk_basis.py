@@ -35,9 +35,11 @@ class QKBasis:
         hkv, d = self.num_kv_heads, self.query.shape[-1]
         grouped = q.reshape(q.shape[0], hkv, -1, d).float()
         q_out = torch.einsum("thgd,hde->thge", grouped, self.query[layer_id])
-        q_out = q_out.to(q.dtype).reshape(q.shape)
+        # einsum's outputs are laid out head-major; SGLang's KV pool views k flat, so both leave
+        # contiguous (a strided k failed set_kv_buffer on the GPU)
+        q_out = q_out.to(q.dtype).reshape(q.shape).contiguous()
         if k is None:
             return q_out, None
         k_out = torch.einsum("thd,hde->the", k.reshape(k.shape[0], hkv, d).float(),
                              self.key[layer_id])
-        return q_out, k_out.to(k.dtype).reshape(k.shape)
+        return q_out, k_out.to(k.dtype).reshape(k.shape).contiguous()
