@@ -17,7 +17,11 @@ _CONFIG_ATTR = "_sglang_ext_config"
 TIER_DEFAULT_MAX_RUNNING = 32  # --max-running-requests with the CPU tier unless given
 # --kv-cache-dtype values whose rows the CPU tier moves (16-bit rows of the KV dtype; 8-bit ones
 # are stored as bytes)
-TIER_KV_DTYPES = ("auto", "bf16", "bfloat16")
+# KV dtypes the tier's host copy holds: 16-bit rows, or fp8_e4m3 bytes (the fp8 pool's stored
+# rows: host and PCIe bytes per token halve; its batched decode was checked on the GPU against an
+# untiered fp8 pool, tests/test_tier_decode_steps.py). MLA's latent rows: 16-bit only.
+TIER_KV_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3")
+MLA_TIER_KV_DTYPES = ("auto", "bf16", "bfloat16")
 
 
 def _after_add_cli_args(result: Any, parser: argparse.ArgumentParser) -> None:
@@ -112,7 +116,7 @@ def check_mla_model(server_args: Any, cfg: sparse_config.SparseConfig) -> None:
         raise SystemExit(f"sglang_ext: {unsupported[0][1]} does not support MLA models (latent "
                          "KV pool) yet")
     kv_dtype = getattr(server_args, "kv_cache_dtype", "auto")
-    if cfg.tier != "off" and kv_dtype not in TIER_KV_DTYPES:
+    if cfg.tier != "off" and kv_dtype not in MLA_TIER_KV_DTYPES:
         # 8-bit latent rows are stored as bytes (and FP4 ones by another pool factory, which
         # the tier does not hook): the host copy holds rows of the KV dtype.
         raise SystemExit(f"sglang_ext: --sparse-tier does not support MLA models with "
@@ -120,12 +124,13 @@ def check_mla_model(server_args: Any, cfg: sparse_config.SparseConfig) -> None:
 
 
 def check_tier_kv_dtype(server_args: Any, cfg: sparse_config.SparseConfig) -> None:
-    """The tier's host copy and scratch hold rows of the KV dtype: an 8-bit or FP4 cache (stored
-    as bytes) stops start-up in one line instead of the pool's construction in the scheduler."""
+    """The tier's host copy and scratch hold rows of the KV dtype: a cache the tier has not been
+    checked with (fp8_e5m2, FP4) stops start-up in one line instead of the pool's construction in
+    the scheduler."""
     kv_dtype = getattr(server_args, "kv_cache_dtype", "auto")
     if cfg.tier != "off" and kv_dtype not in TIER_KV_DTYPES:
         raise SystemExit(f"sglang_ext: --sparse-tier does not support --kv-cache-dtype "
-                         f"{kv_dtype} yet (the host copy holds 16-bit rows: use auto or bf16)")
+                         f"{kv_dtype} yet (use auto, bf16 or fp8_e4m3)")
 
 
 def _check_label_config(server_args: Any, cfg: sparse_config.SparseConfig) -> None:

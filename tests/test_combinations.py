@@ -56,8 +56,6 @@ def test_pairs_merge_the_same_either_way():
     ("ds", "tasyn", "--sparse-tier needs a block-filtering --sparse-method"),
     # config.py::_validate_cooperative
     ("coop", "tasyn", "--sparse-cooperative needs --sparse-tier sync"),
-    # patches/server_args.py::check_tier_kv_dtype
-    ("tsync", "fp8kv", "--sparse-tier does not support --kv-cache-dtype fp8_e4m3"),
     # patches/server_args.py::_force_compatible_settings
     ("flux", "tri", "--sparse-scoring output_aware runs in the reference decode"),
     # selection/mla.py::_MLA_UNSUPPORTED via check_mla_model
@@ -75,7 +73,7 @@ def test_known_refusals(matrix, a, b, words):
 @pytest.mark.parametrize("a, b", [
     ("quest", "tsync"), ("2lvl", "tasyn"), ("abf", "fp8sm"), ("flux", "ref"), ("hpol", "ref"),
     ("coop", "tri"), ("loc", "tsync"), ("evh", "tri"), ("fp8lb", "ds"), ("req", "ref"),
-    ("mla", "tasyn"), ("tp2", "tsync"),
+    ("mla", "tasyn"), ("tp2", "tsync"), ("tsync", "fp8kv"), ("tasyn", "fp8kv"),
 ])
 def test_known_good_pairs(matrix, a, b):
     assert matrix.accepted(a, b), matrix.cells[a, b]
