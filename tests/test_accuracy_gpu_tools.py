@@ -56,3 +56,23 @@ def test_pareto_rows_pair_each_filter_with_its_time():
     by_method = {r["method"]: r for r in table(drops, times, "b32_bf16")}
     assert by_method["two_level"]["speedup_vs_flashinfer"] == 8.0
     assert by_method["two_level_bound"]["speedup_vs_flashinfer"] == 16.0
+
+
+def test_a_server_that_dies_at_start_up_is_reported_with_its_own_error(tmp_path, monkeypatch):
+    """A server that exits before it is healthy: the suite reports the end of its log (the
+    cause), not the client's view of it or a failed kill of a process already gone."""
+    import argparse
+    import sys
+
+    import pytest
+
+    from benchmarks.accuracy import gpu_suite
+
+    monkeypatch.setattr(gpu_suite, "launch_args", lambda *a, **k: [
+        sys.executable, "-c", "import sys; print('RuntimeError: view size is not compatible'); "
+                              "sys.exit(3)"])
+    args = argparse.Namespace(out_dir=str(tmp_path), labels=gpu_suite.DEFAULT_LABELS,
+                              model_dir=str(tmp_path), context_length=8192, start_timeout=60.0)
+    with pytest.raises(RuntimeError) as e:
+        gpu_suite.run_config(args, 32, "bf16")
+    assert "server exited with 3" in str(e.value) and "view size is not compatible" in str(e.value)

@@ -96,8 +96,16 @@ def run_config(args: argparse.Namespace, block_size: int, storage: str) -> str:
                              "--methods", *args.methods, "--samples", str(args.samples),
                              "--block-size", str(block_size), "--parallel", str(args.parallel),
                              "--out", out, "--time-limit", str(args.minutes_per_context)])
+        except Exception as e:
+            # the server's own error (its log's last lines), not only what the client saw
+            with open(log_path, errors="replace") as f:
+                last = "".join(f.readlines()[-6:]).rstrip()
+            raise RuntimeError(f"{e}; {log_path} ends:\n{last}") from e
         finally:
-            os.killpg(process.pid, 15)
+            try:
+                os.killpg(process.pid, 15)
+            except ProcessLookupError:
+                pass  # it exited already (a crash at start-up)
             process.wait(timeout=60)
     return out
 
