@@ -56,9 +56,11 @@ class NeedleRecallAttention:
     """Dense attention everywhere (the model's outputs stay dense); at a decode step it also
     adds, per selection, the dense mass on ``positions`` that the selection keeps."""
 
-    def __init__(self, channels: Optional[Tensor], settings: dict[str, SelectionParams]):
+    def __init__(self, channels: Optional[Tensor], settings: dict[str, SelectionParams],
+                 basis: Optional[tuple[Tensor, Tensor]] = None):
         self.channels = channels
         self.settings = settings
+        self.basis = basis  # (Bq, Bk) [L, Hkv, D, D]: selections see q and k as the server does
         self.positions: Optional[Tensor] = None
         self.kept = dict.fromkeys(settings, 0.0)
         self.total = 0.0
@@ -81,6 +83,11 @@ class NeedleRecallAttention:
             needle = probs[:, self.positions]  # [Hq, n]
             self.total += float(needle.sum())
             channels = None if self.channels is None else self.channels[module.layer_idx]
+            if self.basis is not None:  # the dense mass above is the same in the basis
+                bq, bk = (b[module.layer_idx] for b in self.basis)
+                q = torch.einsum("hgd,hde->hge", q.float().reshape(hkv, group, -1),
+                                 bq).reshape(hq, -1)
+                keys = torch.einsum("lhd,hde->lhe", keys.float(), bk)
             for name, params in self.settings.items():
                 mask = select_token_mask(q, keys, params, channels)  # [Hkv, L]
                 kept = mask.repeat_interleave(group, 0)[:, self.positions]
@@ -90,35 +97,41 @@ class NeedleRecallAttention:
 
 def recommended_params(context: int, budget_share: int, block_size: int,
                        block_score: str = "auto", candidate_scale: float = 1.0,
-                       rerank: int = 0, prefilter: int = 0) -> SelectionParams:
+                       rerank: int = 0, prefilter: int = 0,
+                       rerank_min_tokens: Optional[int] = None) -> SelectionParams:
     """two_level as a server with these flags selects it (sink and window shrunk for small
-    budgets as in the accuracy suite); ``candidate_scale`` times the automatic filter."""
+    budgets as in the accuracy suite); ``candidate_scale`` times the automatic filter;
+    ``rerank_min_tokens`` None: the server's default floor."""
     budget = context // budget_share
     sink, window = shrunk_sink_window(budget)
+    floor = {} if rerank_min_tokens is None else {"rerank_min_tokens": rerank_min_tokens}
     cfg = build_config(budget=budget, block_size=block_size, sink=sink, window=window,
-                       block_score=block_score, rerank=rerank, prefilter=prefilter)
+                       block_score=block_score, rerank=rerank, prefilter=prefilter, **floor)
     return SelectionParams("two_level", cfg.budget, cfg.block_size,
                            max(1, round(candidate_scale * cfg.effective_candidate_blocks)),
                            cfg.sink, cfg.window, block_score=cfg.effective_block_score,
-                           rerank=cfg.rerank, prefilter=cfg.prefilter)
+                           rerank=cfg.rerank, prefilter=cfg.prefilter,
+                           rerank_min_tokens=cfg.rerank_min_tokens)
 
 
 @torch.inference_mode()
 def needle_recall(model_dir: str, settings: dict[str, SelectionParams], tasks: Sequence[str],
                   context: int, samples: int, label_channels: int = 16,
-                  progress: bool = True) -> dict[str, float]:
-    """Recall of each setting over the samples (1.0 = every needle token's mass kept)."""
+                  progress: bool = True, label_config: Optional[str] = None) -> dict[str, float]:
+    """Recall of each setting over the samples (1.0 = every needle token's mass kept).
+    ``label_config``: the label file (default: the model's ``sparse_labels.json``); one with a
+    label basis (``calibrate --basis``) has the selections score rotated queries and keys."""
     from transformers import AttentionInterface, AutoModelForCausalLM
 
-    from sglang_ext.selection.calibrate import load_label_config
+    from sglang_ext.selection.calibrate import load_label_basis, load_label_config
 
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
-    channels = load_label_config(os.path.join(model_dir, "sparse_labels.json"),
-                                 num_layers=cfg["num_hidden_layers"],
-                                 num_kv_heads=cfg["num_key_value_heads"],
-                                 head_dim=cfg["head_dim"])[..., :label_channels]
-    hook = NeedleRecallAttention(channels, settings)
+    shape = dict(num_layers=cfg["num_hidden_layers"], num_kv_heads=cfg["num_key_value_heads"],
+                 head_dim=cfg["head_dim"])
+    label_config = label_config or os.path.join(model_dir, "sparse_labels.json")
+    channels = load_label_config(label_config, **shape)[..., :label_channels]
+    hook = NeedleRecallAttention(channels, settings, load_label_basis(label_config, **shape))
     AttentionInterface.register(ATTN_NAME, hook)
     tokenizer = T.load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
@@ -146,6 +159,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--samples", type=int, default=10)
     p.add_argument("--budget-share", type=int, default=16, help="budget = context / this")
     p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--label-config", default=None,
+                   help="a label file (default: MODEL_DIR/sparse_labels.json); with a basis "
+                        "(calibrate --basis kpca) the selections score in it")
     args = p.parse_args(argv)
     two_level = recommended_params(args.context, args.budget_share, args.block_size)
     settings = {
@@ -166,7 +182,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                            args.block_size, rerank=4,
                                                            prefilter=4),
     }
-    recall = needle_recall(args.model_dir, settings, args.tasks, args.context, args.samples)
+    recall = needle_recall(args.model_dir, settings, args.tasks, args.context, args.samples,
+                           label_config=args.label_config)
     for name, value in recall.items():
         print(f"{name:18s} {value:.3f}")
     return 0
