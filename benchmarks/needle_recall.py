@@ -19,7 +19,6 @@ import dataclasses
 import json
 import os
 import sys
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
@@ -32,6 +31,7 @@ if REPO not in sys.path:
 
 from benchmarks.accuracy import tasks as T  # noqa: E402
 from benchmarks.accuracy.runner import shrunk_sink_window  # noqa: E402
+from sglang_ext.attention.qk_basis import QKBasis  # noqa: E402
 from sglang_ext.config import build_config  # noqa: E402
 from sglang_ext.selection import SelectionParams, select_token_mask  # noqa: E402
 
@@ -57,10 +57,10 @@ class NeedleRecallAttention:
     adds, per selection, the dense mass on ``positions`` that the selection keeps."""
 
     def __init__(self, channels: Optional[Tensor], settings: dict[str, SelectionParams],
-                 basis: Optional[tuple[Tensor, Tensor]] = None):
+                 basis: Optional[QKBasis] = None):
         self.channels = channels
         self.settings = settings
-        self.basis = basis  # (Bq, Bk) [L, Hkv, D, D]: selections see q and k as the server does
+        self.basis = basis  # the label basis: selections see q and k as the server does
         self.positions: Optional[Tensor] = None
         self.kept = dict.fromkeys(settings, 0.0)
         self.total = 0.0
@@ -84,10 +84,8 @@ class NeedleRecallAttention:
             self.total += float(needle.sum())
             channels = None if self.channels is None else self.channels[module.layer_idx]
             if self.basis is not None:  # the dense mass above is the same in the basis
-                bq, bk = (b[module.layer_idx] for b in self.basis)
-                q = torch.einsum("hgd,hde->hge", q.float().reshape(hkv, group, -1),
-                                 bq).reshape(hq, -1)
-                keys = torch.einsum("lhd,hde->lhe", keys.float(), bk)
+                q, keys = self.basis.rotate(module.layer_idx, q[None], keys)
+                q = q[0]
             for name, params in self.settings.items():
                 mask = select_token_mask(q, keys, params, channels)  # [Hkv, L]
                 kept = mask.repeat_interleave(group, 0)[:, self.positions]
@@ -131,7 +129,9 @@ def needle_recall(model_dir: str, settings: dict[str, SelectionParams], tasks: S
                  head_dim=cfg["head_dim"])
     label_config = label_config or os.path.join(model_dir, "sparse_labels.json")
     channels = load_label_config(label_config, **shape)[..., :label_channels]
-    hook = NeedleRecallAttention(channels, settings, load_label_basis(label_config, **shape))
+    basis = load_label_basis(label_config, **shape)
+    hook = NeedleRecallAttention(channels, settings,
+                                 None if basis is None else QKBasis(*basis, "cpu"))
     AttentionInterface.register(ATTN_NAME, hook)
     tokenizer = T.load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
