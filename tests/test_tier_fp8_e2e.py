@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import pytest
 
-from server_utils import LABELS, Server
-from test_tier_e2e import _passkey_prompt
+from server_utils import Server
+from test_tier_e2e import COMMON as COMMON_BF16
+from test_tier_e2e import TIER, _passkey_prompt
 
 pytestmark = pytest.mark.server
 
-FP8_KV = ["--kv-cache-dtype", "fp8_e4m3"]
-COMMON = [
-    "--attention-backend", "sglang_ext", "--sparse-budget", "256", "--sparse-block-size", "4",
-    "--sparse-sink", "16", "--sparse-window", "64", "--sparse-label-config", LABELS,
-    "--page-size", "4", "--max-running-requests", "4", "--sparse-block-score", "bound",
-] + FP8_KV
-TIER = ["--sparse-tier", "sync", "--sparse-tier-gpu-tokens", "1024", "--sparse-tier-host-gb", "0.5"]
+# the bf16 tier test's servers, on an fp8 cache
+COMMON = COMMON_BF16 + ["--kv-cache-dtype", "fp8_e4m3"]
 
 
 @pytest.fixture(scope="module")
