@@ -174,6 +174,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                        "bound", candidate_scale=4),
         "label_max_rerank4": recommended_params(args.context, args.budget_share,
                                                 args.block_size, rerank=4),
+        # without the shortlist's floor (--sparse-rerank-min-tokens 0): only small budgets differ
+        "label_max_rerank4_no_floor": recommended_params(args.context, args.budget_share,
+                                                         args.block_size, rerank=4,
+                                                         rerank_min_tokens=0),
         "ds_rerank4": dataclasses.replace(two_level, method="ds", block_score="bound", rerank=4),
         # the block filter's cascade (--sparse-block-prefilter 4)
         "label_max_prefilter4": recommended_params(args.context, args.budget_share,
