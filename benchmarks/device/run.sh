@@ -4,7 +4,7 @@
 # folder) or, without $OUT, in the step's suite folder benchmarks/results/SUITE/ (see suite below).
 # Usage: bash benchmarks/device/run.sh COMMIT STEP...
 #   steps: env fi-warmup fi-wait fi-pack gputests clock operator rerank-operator cascade-operator
-#   mla-operator sparse-attention
+#   mla-operator sparse-attention faithful-operator
 #   tier fluxion transfer server e2e soak capacity locality profile tp2-greedy mla-e2e pack-logs
 #   gguf-part smollm2 fidelity refactor soak-real
 #   (tp2-greedy: on nvidia-h200-x2; real weights: gguf-part in consecutive warm calls, then
@@ -19,7 +19,7 @@ export SGLANG_EXT_COMMIT=${1:?commit}; shift
 OUT_GIVEN=${OUT:-}
 suite() {  # a step's folder under benchmarks/results/ (benchmarks/results_io.py: SUITES)
   case $1 in
-    operator|mla-operator|rerank-operator|cascade-operator) echo operator ;;
+    operator|mla-operator|rerank-operator|cascade-operator|faithful-operator) echo operator ;;
     sparse-attention) echo kernels ;;
     tier|fluxion|transfer|locality) echo "$1" ;;
     fidelity) echo accuracy ;;
@@ -82,6 +82,20 @@ for step in "$@"; do
             --no-compare-scatter --no-compare-label-cache --no-fi-sparse \
             --tag "cascade_${factor}_rerank_$rerank" ${CASCADE_OPERATOR_ARGS:-} || status=1
         done
+      done ;;
+    faithful-operator)
+      # The faithful setting's operator (two_level by the label maximum, rerank 4, block 32) at
+      # the headline shape: the rerank alone, the cascade F = 2 / 4 before it, and F = 4 with fp8
+      # summaries and labels; each file with its FlashInfer baseline from the same call and the
+      # stage breakdown (FAITHFUL_OPERATOR_ARGS: more flags)
+      for variant in "rerank_4" "cascade_2_rerank_4:--prefilter 2" "cascade_4_rerank_4:--prefilter 4" \
+          "cascade_4_rerank_4_fp8:--prefilter 4 --summary-dtype fp8 --label-dtype fp8_e4m3"; do
+        python3 -m benchmarks.run operator --out "$OUT" --contexts 131072 --batches 32 \
+          --block-size 32 --fi-page-size 32 --block-score label_max --rerank 4 --skip-triton \
+          --no-compare-topk --no-compare-block-score --no-compare-scatter \
+          --no-compare-label-cache --no-fi-sparse --tag "faithful_${variant%%:*}" \
+          $([ "${variant#*:}" != "$variant" ] && echo "${variant#*:}") \
+          ${FAITHFUL_OPERATOR_ARGS:-} || status=1
       done ;;
     mla-operator)
       # DeepSeek-V2-Lite's MLA layer: ours vs SGLang's Triton MLA decode and FlashInfer MLA; its
