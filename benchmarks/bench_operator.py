@@ -535,7 +535,10 @@ def stage_builders(q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, 
     intermediates that one full ``select()`` call leaves behind (so each stage sees real
     inputs). The token top-k + slot assembly (one fused kernel) and the attention are timed
     as differences: select - stages, ours - select. With a rerank the token stages list the
-    shortlist, and its two stages (exact scores, top budget of them) are timed alone too."""
+    shortlist, and its two stages (exact scores, top budget of them) are timed alone too. With
+    the cascade (``params.prefilter``) the block filter is four stages: the bound, its top
+    pages, their label maximum, its top-k. Each stage returns a tensor (the timer keeps one
+    output)."""
     from sglang_ext.kernels.block_scores import quest_block_scores_batched
     from sglang_ext.kernels.token_scores import (
         label_max_block_scores_batched,
@@ -546,17 +549,36 @@ def stage_builders(q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, 
     batch, bs = q.shape[0], params.block_size
     select()  # fills ws.block_scores / ws.top_blocks for the stages below
     out = []
-    if ws.k_blocks and params.block_score == "label_max":
-        out.append(("block_scores", lambda: lambda: label_max_block_scores_batched(
-            q, labels if labels is not None else k_buffer, req_to_token, req_pool_indices,
-            seq_lens, bs, params.sink, params.window, ws.max_blocks, channels=channels,
-            out=ws.block_scores[:batch], keys_are_labels=labels is not None)))
-    elif ws.k_blocks:
-        out.append(("block_scores", lambda: lambda: quest_block_scores_batched(
+
+    def bound_scores():
+        return quest_block_scores_batched(
             q, kmin, kmax, req_to_token, req_pool_indices, seq_lens, bs, params.sink,
             params.window, ws.max_blocks, out=ws.block_scores[:batch],
-            precision=ws.block_score_precision)))
-    if ws.k_blocks:
+            precision=ws.block_score_precision)
+
+    def label_max_scores(cand=None, scores_out=None):
+        return label_max_block_scores_batched(
+            q, labels if labels is not None else k_buffer, req_to_token, req_pool_indices,
+            seq_lens, bs, params.sink, params.window, ws.max_blocks, channels=channels,
+            out=ws.block_scores[:batch] if scores_out is None else scores_out,
+            keys_are_labels=labels is not None, cand=cand)
+
+    if ws.k_prefilter:  # the cascade: the bound's top pages, their label maximum, its top-k
+        pre = ws.prefilter_top[:batch]
+        out.append(("block_bound", lambda: bound_scores))
+        out.append(("block_prefilter_topk", lambda: lambda: topk_masked(
+            ws.block_scores[:batch], ws.k_prefilter, out=pre, impl=ws.topk_impl,
+            radix_bits=ws.block_topk_radix_bits)))
+        out.append(("block_scores", lambda: lambda: label_max_scores(
+            pre, ws.prefilter_scores[:batch])))
+        out.append(("block_topk", lambda: lambda: topk_masked(
+            ws.prefilter_scores[:batch], ws.k_blocks, out=ws.prefilter_pick[:batch],
+            impl=ws.topk_impl, radix_bits=ws.block_topk_radix_bits)))
+    elif ws.k_blocks and params.block_score == "label_max":
+        out.append(("block_scores", lambda: label_max_scores))
+    elif ws.k_blocks:
+        out.append(("block_scores", lambda: bound_scores))
+    if ws.k_blocks and not ws.k_prefilter:
         if ws.k_tokens:  # otherwise the block top-k is the fused last top-k
             out.append(("block_topk", lambda: lambda: topk_masked(
                 ws.block_scores[:batch], ws.k_blocks, out=ws.top_blocks[:batch],
@@ -578,9 +600,14 @@ def stage_builders(q, k_buffer, req_to_token, req_pool_indices, seq_lens, kmin, 
         slots, positions = ws.slots[:batch], ws.positions[:batch]
         out.append(("rerank_scores", lambda: lambda: exact_rerank_scores(
             q, k_buffer, slots, positions, seq_lens, params, ws.rerank_scores[:batch])))
-        out.append(("rerank_take_top", lambda: lambda: take_top(
-            slots, positions, ws.rerank_scores[:batch], params.budget, ws.rerank_top[:batch],
-            ws.reranked_slots[:batch], ws.reranked_positions[:batch], impl=ws.topk_impl)))
+
+        def take_best():
+            take_top(slots, positions, ws.rerank_scores[:batch], params.budget,
+                     ws.rerank_top[:batch], ws.reranked_slots[:batch],
+                     ws.reranked_positions[:batch], impl=ws.topk_impl)
+            return ws.reranked_slots[:batch]  # the timer keeps one output
+
+        out.append(("rerank_take_top", lambda: take_best))
     return out
 
 
@@ -919,7 +946,7 @@ def run_benchmark(args, device: str = "cuda") -> dict:
                 builders.append(("ours_fi_attention", lambda: FlashInferSparseDecode(
                     torch, ours(args.topk_impl, select_only=True), q, k_buffer, v_buffer,
                     params.budget, sm_scale, fi_workspace)))
-            if args.breakdown and not params.prefilter:  # the stages of one selection
+            if args.breakdown:  # the stages of one selection
                 stage_ws = SparseDecodeWorkspace(
                     batch, HQ, HKV, HEAD_DIM, params, max_blocks, dev, torch.bfloat16,
                     topk_impl=args.topk_impl, block_score_precision=block_precision,
@@ -943,8 +970,8 @@ def run_benchmark(args, device: str = "cuda") -> dict:
                 timer.release()
             if args.breakdown and row.get("ours_select_ms") and row.get("ours_ms"):
                 staged = [row.get(f"stage_{n}_ms") for n in (
-                    "block_scores", "block_topk", "token_scores", "rerank_scores",
-                    "rerank_take_top")]
+                    "block_bound", "block_prefilter_topk", "block_scores", "block_topk",
+                    "token_scores", "rerank_scores", "rerank_take_top")]
                 row["stage_topk_assemble_ms"] = row["ours_select_ms"] - sum(
                     x for x in staged if x)
                 row["stage_attention_ms"] = row["ours_ms"] - row["ours_select_ms"]

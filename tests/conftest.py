@@ -27,3 +27,24 @@ def _single_thread(request):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--shard", default=None, metavar="K/N",
+                     help="run the K-th of N interleaved slices of the collected tests (1-based): "
+                          "the GPU suite in calls that each fit the device's 10-minute limit")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    shard = config.getoption("--shard")
+    if not shard:
+        return
+    try:
+        k, n = (int(x) for x in shard.split("/"))
+        if not 1 <= k <= n:
+            raise ValueError
+    except ValueError:
+        raise pytest.UsageError(f"--shard must be K/N with 1 <= K <= N (got {shard!r})") from None
+    kept = [item for i, item in enumerate(items) if i % n == k - 1]
+    config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+    items[:] = kept

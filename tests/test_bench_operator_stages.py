@@ -18,16 +18,17 @@ from sglang_ext.kernels.testing import case_generator, make_paged_batch, random_
 from sglang_ext.selection.params import SelectionParams
 
 
-@pytest.mark.parametrize("rerank", [0, 2])
-def test_each_stage_alone_recomputes_the_selections_intermediates(rerank: int) -> None:
-    gen = case_generator("bench-stages", rerank)
+@pytest.mark.parametrize("rerank,prefilter", [(0, 0), (2, 0), (2, 2)])
+def test_each_stage_alone_recomputes_the_selections_intermediates(rerank: int,
+                                                                  prefilter: int) -> None:
+    gen = case_generator("bench-stages", rerank, prefilter)
     hkv, group, dim, bs = 2, 2, 16, 4
     lens = [90, 70]
     pb = make_paged_batch(gen, lens, hkv, dim, bs)
     q = random_values(gen, len(lens), hkv * group, dim)
     channels = torch.stack([torch.randperm(dim, generator=gen)[:4] for _ in range(hkv)])
     params = SelectionParams("two_level", 32, bs, 6, 4, 8, block_score="label_max",
-                             rerank=rerank)
+                             rerank=rerank, prefilter=prefilter)
     max_blocks = pb.req_to_token.shape[1] // bs
     ws = SparseDecodeWorkspace(len(lens), hkv * group, hkv, dim, params, max_blocks, "cpu",
                                q.dtype)
@@ -37,13 +38,20 @@ def test_each_stage_alone_recomputes_the_selections_intermediates(rerank: int) -
     selected = select().clone()
     stages = dict(stage_builders(q, pb.k_buffer, pb.req_to_token, pb.req_pool_indices,
                                  pb.seq_lens, pb.kmin, pb.kmax, params, channels, ws, select))
-    want = ["block_scores", "block_topk", "token_scores"]
-    assert list(stages) == want + (["rerank_scores", "rerank_take_top"] if rerank else [])
+    block_stages = (["block_bound", "block_prefilter_topk", "block_scores", "block_topk"]
+                    if prefilter else ["block_scores", "block_topk"])
+    assert list(stages) == block_stages + ["token_scores"] + (
+        ["rerank_scores", "rerank_take_top"] if rerank else [])
     batch = len(lens)
-    for name, buffer in [("block_scores", ws.block_scores), ("token_scores", ws.token_scores)]:
+    # what each stage writes: the cascade's label maximum and top-k have their own buffers
+    written = {"token_scores": ws.token_scores, "block_scores": ws.block_scores}
+    if prefilter:
+        written |= {"block_bound": ws.block_scores, "block_prefilter_topk": ws.prefilter_top,
+                    "block_scores": ws.prefilter_scores, "block_topk": ws.prefilter_pick}
+    for name, buffer in written.items():
         before = buffer[:batch].clone()
-        buffer[:batch].fill_(7.0)
-        stages[name]()()
+        buffer[:batch].fill_(7)
+        assert isinstance(stages[name]()(), torch.Tensor), name  # the timer clones one output
         assert torch.equal(buffer[:batch], before), name
     if rerank:
         before = ws.rerank_scores[:batch].clone()
@@ -51,7 +59,7 @@ def test_each_stage_alone_recomputes_the_selections_intermediates(rerank: int) -
         ws.reranked_slots[:batch].fill_(-5)
         stages["rerank_scores"]()()
         assert torch.equal(ws.rerank_scores[:batch], before)
-        stages["rerank_take_top"]()()
+        assert isinstance(stages["rerank_take_top"]()(), torch.Tensor)
         assert torch.equal(ws.reranked_slots[:batch], selected)
         # the rerank cut a longer shortlist to the budget
         assert ws.slots.shape[-1] > selected.shape[-1] == params.budget

@@ -10,7 +10,9 @@
 #   (tp2-greedy: on nvidia-h200-x2; real weights: gguf-part in consecutive warm calls, then
 #   smollm2 and fidelity, see ../shared/gpu/README.md; refactor: carry .before from
 #   benchmarks/device/export_before.sh; soak-real: after smollm2, benchmarks/device/soak_real.sh)
-# gputests: GPUTESTS_K (a pytest -k expression), GPUTESTS_ARGS (more pytest words), GPUTESTS_SECONDS
+# gputests: GPUTESTS_K (a pytest -k expression), GPUTESTS_ARGS (more pytest words), GPUTESTS_SECONDS,
+#   GPUTESTS_SHARD (K/N: the K-th of N slices; the whole suite takes ~8 min on an H100, so two
+#   warm calls with 1/2 and 2/2 each fit the 10-minute limit)
 # operator, server and fidelity run benchmarks/run.py (what the Makefile's bench-* targets call).
 # Wheels in .whl/ (carried, git-ignored; e.g. prometheus_client for --enable-metrics, which the
 # bundle lacks) are installed first.
@@ -51,8 +53,10 @@ for step in "$@"; do
       python3 -c "import torch, triton, sglang, flashinfer; print(torch.__version__, triton.__version__, flashinfer.__version__)"
       python3 -c "from importlib.metadata import entry_points as e; print(e(group='sglang.srt.plugins'))" ;;
     gputests)
-      timeout "${GPUTESTS_SECONDS:-600}" python3 -m pytest -q -rfE -m gpu tests/ -p no:cacheprovider \
-        ${GPUTESTS_K:+-k "$GPUTESTS_K"} ${GPUTESTS_ARGS:-} 2>&1 \
+      # -v names every test's outcome in the log, even one cut short by the time limit
+      timeout "${GPUTESTS_SECONDS:-600}" python3 -m pytest -v -rfE -m gpu tests/ -p no:cacheprovider \
+        ${GPUTESTS_K:+-k "$GPUTESTS_K"} ${GPUTESTS_SHARD:+--shard "$GPUTESTS_SHARD"} \
+        ${GPUTESTS_ARGS:-} 2>&1 \
         | tee "$OUT/gputests.log" | tail -25
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     operator)
