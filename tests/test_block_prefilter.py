@@ -247,12 +247,14 @@ def test_accuracy_suite_methods_send_the_cascade():
     from benchmarks.accuracy import runner
     from sglang_ext.attention.request_overrides import parse_override
 
-    settings = runner.sparse_settings(["two_level_prefilter4", "two_level_prefilter4_rerank4"],
-                                      [128], 32)
+    settings = runner.sparse_settings(["two_level_prefilter4", "two_level_prefilter4_rerank4",
+                                       "two_level_prefilter2_rerank4"], [128], 32)
     got = {s.method: parse_override(s.custom_params, build_config(impl="reference"))
            for s in settings if s.method != runner.DENSE}
     assert got["two_level_prefilter4"].prefilter == 4
     assert got["two_level_prefilter4"].rerank == 0
     assert (got["two_level_prefilter4_rerank4"].prefilter,
             got["two_level_prefilter4_rerank4"].rerank) == (4, 4)
+    assert (got["two_level_prefilter2_rerank4"].prefilter,
+            got["two_level_prefilter2_rerank4"].rerank) == (2, 4)
     assert all(p.block_score == "label_max" for p in got.values())

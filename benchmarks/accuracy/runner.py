@@ -79,6 +79,9 @@ VARIANTS = {
     "two_level_prefilter4": {"method": "two_level", "head_policy": False, "prefilter": 4},
     "two_level_prefilter4_rerank4": {"method": "two_level", "head_policy": False,
                                      "prefilter": 4, "rerank": 4},
+    # the narrower cascade the H100 operator found fastest (F = 2)
+    "two_level_prefilter2_rerank4": {"method": "two_level", "head_policy": False,
+                                     "prefilter": 2, "rerank": 4},
     # AsyncTLS's asynchronous block filter: blocks ranked by the previous step's query (what
     # --sparse-block-filter async serves on the GPU), tokens by this step's
     "two_level_async": {"method": "two_level", "head_policy": False, "block_filter": "async"},
@@ -611,7 +614,8 @@ def render_plot(doc: dict, path: str) -> None:
               "two_level_bound": "lime", "ds_rerank4": "navajowhite",
               "two_level_rerank2": "mediumseagreen", "two_level_rerank4": "seagreen",
               "two_level_rerank4_narrow": "darkseagreen", "two_level_prefilter4": "teal",
-              "two_level_prefilter4_rerank4": "darkslategray"}
+              "two_level_prefilter4_rerank4": "darkslategray",
+              "two_level_prefilter2_rerank4": "slategray"}
 
     def get(task, ctx, method, budget):
         if task == "mean":
