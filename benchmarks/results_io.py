@@ -314,7 +314,7 @@ class Plot:
 PLOTS: tuple[Plot, ...] = (  # first match wins
     Plot("operator/operator_mla_h200.png", _operator_mla,
          lambda png: "operator/operator_h200.json"),
-    Plot("operator/operator_h200*.png", _operator),
+    Plot("operator/operator_h[0-9]00*.png", _operator),  # H200 and H100 runs
     Plot("operator/block_filter_pareto_*.png", _pareto),
     Plot("kernels/*.png", _kernels),
     Plot("*_profile.png", None, lambda png: png[:-len("_profile.png")] + ".json"),
