@@ -17,7 +17,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import threading
 import time
 from collections import OrderedDict
