@@ -45,6 +45,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             raise ValueError
     except ValueError:
         raise pytest.UsageError(f"--shard must be K/N with 1 <= K <= N (got {shard!r})") from None
-    kept = [item for i, item in enumerate(items) if i % n == k - 1]
-    config.hook.pytest_deselected(items=[item for item in items if item not in kept])
-    items[:] = kept
+    config.hook.pytest_deselected(items=[t for i, t in enumerate(items) if i % n != k - 1])
+    items[:] = items[k - 1::n]

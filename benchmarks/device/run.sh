@@ -42,6 +42,14 @@ if [ -f .fiaot/fi_aot.tar.xz ]; then
   mkdir -p /tmp/site/flashinfer/data/aot && tar -xJf .fiaot/fi_aot.tar.xz -C /tmp/site/flashinfer/data/aot \
     && echo "flashinfer: $(ls /tmp/site/flashinfer/data/aot | wc -l) prebuilt kernels from .fiaot"
 fi
+# One operator file at the headline shape (128k x 32, block 32, budget 2048) with its FlashInfer
+# baseline from the same call: headline_operator TAG [bench_operator flags...]
+headline_operator() {
+  local tag=$1; shift
+  python3 -m benchmarks.run operator --out "$OUT" --contexts 131072 --batches 32 \
+    --block-size 32 --fi-page-size 32 --skip-triton --no-compare-topk --no-compare-block-score \
+    --no-compare-scatter --no-compare-label-cache --no-fi-sparse --tag "$tag" "$@"
+}
 status=0
 warmups=()
 for step in "$@"; do
@@ -67,10 +75,7 @@ for step in "$@"; do
       # its FlashInfer baseline from the same call (RERANK_OPERATOR_ARGS: more flags)
       for score in label_max bound; do
         for factor in 0 2 4; do
-          python3 -m benchmarks.run operator --out "$OUT" --contexts 131072 --batches 32 \
-            --block-size 32 --fi-page-size 32 --block-score "$score" --rerank "$factor" \
-            --skip-triton --no-compare-topk --no-compare-block-score --no-compare-scatter \
-            --no-compare-label-cache --no-fi-sparse --tag "rerank_${score}_$factor" \
+          headline_operator "rerank_${score}_$factor" --block-score "$score" --rerank "$factor" \
             ${RERANK_OPERATOR_ARGS:-} || status=1
         done
       done ;;
@@ -80,27 +85,23 @@ for step in "$@"; do
       # its FlashInfer baseline (CASCADE_OPERATOR_ARGS: more flags)
       for factor in 2 4; do
         for rerank in 0 4; do
-          python3 -m benchmarks.run operator --out "$OUT" --contexts 131072 --batches 32 \
-            --block-size 32 --fi-page-size 32 --block-score label_max --prefilter "$factor" \
-            --rerank "$rerank" --skip-triton --no-compare-topk --no-compare-block-score \
-            --no-compare-scatter --no-compare-label-cache --no-fi-sparse \
-            --tag "cascade_${factor}_rerank_$rerank" ${CASCADE_OPERATOR_ARGS:-} || status=1
+          headline_operator "cascade_${factor}_rerank_$rerank" --block-score label_max \
+            --prefilter "$factor" --rerank "$rerank" ${CASCADE_OPERATOR_ARGS:-} || status=1
         done
       done ;;
     faithful-operator)
       # The faithful setting's operator (two_level by the label maximum, rerank 4, block 32) at
-      # the headline shape: the rerank alone, the cascade F = 2 / 4 before it, and F = 4 with fp8
+      # the same shape: the rerank alone, the cascade F = 2 / 4 before it, and F = 4 with fp8
       # summaries and labels; each file with its FlashInfer baseline from the same call and the
       # stage breakdown (FAITHFUL_OPERATOR_ARGS: more flags)
-      for variant in "rerank_4" "cascade_2_rerank_4:--prefilter 2" "cascade_4_rerank_4:--prefilter 4" \
-          "cascade_4_rerank_4_fp8:--prefilter 4 --summary-dtype fp8 --label-dtype fp8_e4m3"; do
-        python3 -m benchmarks.run operator --out "$OUT" --contexts 131072 --batches 32 \
-          --block-size 32 --fi-page-size 32 --block-score label_max --rerank 4 --skip-triton \
-          --no-compare-topk --no-compare-block-score --no-compare-scatter \
-          --no-compare-label-cache --no-fi-sparse --tag "faithful_${variant%%:*}" \
-          $([ "${variant#*:}" != "$variant" ] && echo "${variant#*:}") \
-          ${FAITHFUL_OPERATOR_ARGS:-} || status=1
-      done ;;
+      faithful="--block-score label_max --rerank 4 ${FAITHFUL_OPERATOR_ARGS:-}"
+      headline_operator faithful_rerank_4 $faithful || status=1
+      for factor in 2 4; do
+        headline_operator "faithful_cascade_${factor}_rerank_4" $faithful --prefilter "$factor" \
+          || status=1
+      done
+      headline_operator faithful_cascade_4_rerank_4_fp8 $faithful --prefilter 4 \
+        --summary-dtype fp8 --label-dtype fp8_e4m3 || status=1 ;;
     mla-operator)
       # DeepSeek-V2-Lite's MLA layer: ours vs SGLang's Triton MLA decode and FlashInfer MLA; its
       # rows go into operator_h200.json beside the MHA rows
