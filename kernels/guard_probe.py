@@ -12,9 +12,10 @@ layer, both of fixed grids, whose programs return at once unless the step is a p
    mean recall and adds it to the request's accumulator (the backend divides by the layer count
    at the end of the step).
 
-Whether a step probes and which kv head it probes come from a 2-element int32 device tensor
-``ctrl = (probe, kv_head)`` the backend fills before the step (host side, no sync), so the same
-captured graph serves probe and ordinary steps. Requests whose context fits the guard's largest
+Whether a request probes this step and which kv head come from an int32 device tensor
+``ctrl`` ``[B, 2]`` of ``(probe, kv_head)`` per batch entry, which the backend computes on the
+device from each request's own step count, so the same captured graph serves probe and ordinary
+steps and every request keeps its own cadence. Requests whose context fits the guard's largest
 budget decode densely and are skipped (their recall is 1 by construction; CUDA-graph padding
 entries have length 1).
 """
@@ -64,10 +65,10 @@ def _dense_lse_split_kernel(
 ):
     b = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    probe = tl.load(CTRL)
+    probe = tl.load(CTRL + 2 * b)
     seq_len = tl.load(SEQ_LENS + b).to(tl.int64)
     if probe != 0 and seq_len > MIN_LEN:
-        g = tl.load(CTRL + 1)
+        g = tl.load(CTRL + 2 * b + 1)
         hh = tl.arange(0, GROUP_PAD)
         hmask = hh < GROUP
         d = tl.arange(0, BLOCK_D)
@@ -120,10 +121,10 @@ def _recall_kernel(
     GROUP_PAD: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
-    probe = tl.load(CTRL)
+    probe = tl.load(CTRL + 2 * b)
     seq_len = tl.load(SEQ_LENS + b).to(tl.int64)
     if probe != 0 and seq_len > MIN_LEN:
-        g = tl.load(CTRL + 1)
+        g = tl.load(CTRL + 2 * b + 1)
         sp = tl.arange(0, SPLITS_PAD)
         hh = tl.arange(0, GROUP_PAD)
         mask = (sp < NUM_SPLITS)[:, None] & (hh < GROUP)[None, :]
@@ -161,10 +162,14 @@ class GuardProbe:
 
     def run(self, ctrl: Tensor, q: Tensor, k_buffer: Tensor, req_to_token: Tensor,
             req_pool_indices: Tensor, seq_lens: Tensor, sparse_lse: Tensor, scaling: float) -> None:
-        """Add this layer's recall of the probed head to ``recall_sum[:B]`` (probe steps only)."""
+        """Add this layer's recall of each probing request's head to ``recall_sum[:B]``;
+        ``ctrl``: contiguous int32 ``[B, 2]``, (probe, kv head) per batch entry."""
         batch = q.shape[0]
         if batch > self.max_batch:
             raise ValueError(f"batch {batch} exceeds the probe's max_batch {self.max_batch}")
+        if ctrl.shape != (batch, 2) or not ctrl.is_contiguous():
+            raise ValueError(f"ctrl must be a contiguous [{batch}, 2] tensor, "
+                             f"got {tuple(ctrl.shape)}")
         if batch == 0:
             return
         gp = max(16, triton.next_power_of_2(self.group))  # tl.dot needs M >= 16
@@ -199,14 +204,12 @@ def probe_recall_ref(ctrl: Tensor, q: Tensor, k_buffer: Tensor, req_to_token: Te
     from sglang_ext.selection.guard import dense_lse
 
     out = torch.zeros(q.shape[0], dtype=torch.float32)
-    if int(ctrl[0]) == 0:
-        return out
-    g = int(ctrl[1])
     group = q.shape[1] // k_buffer.shape[1]
     for b in range(q.shape[0]):
         length = int(seq_lens[b])
-        if length <= min_len:
+        if int(ctrl[b, 0]) == 0 or length <= min_len:
             continue
+        g = int(ctrl[b, 1])
         slots = req_to_token[int(req_pool_indices[b]), :length].long()
         lse = dense_lse(q[b].cpu(), k_buffer[slots].cpu(), scaling, g)
         sparse = sparse_lse[b, g * group:(g + 1) * group].float().cpu()

@@ -448,6 +448,10 @@ def _validate(cfg: SparseConfig) -> None:
             )
     if cfg.tier_gpu_tokens < 0:
         fail("tier_gpu_tokens", "must be >= 0 (0 = auto)")
+    if cfg.tier != "off" and 0 < cfg.tier_gpu_tokens < cfg.block_size:
+        # the tier homes whole pages (one page = one block): less than one rounds to none
+        fail("tier_gpu_tokens", f"must be 0 (auto) or at least one page of "
+                                f"--sparse-block-size {cfg.block_size} tokens")
     if cfg.tier_pcie_gbps < 0:
         fail("tier_pcie_gbps", "must be >= 0 (0 = no PCIe term)")
     if cfg.tier_step_ms <= 0:

@@ -35,6 +35,8 @@ from server_utils import LABELS, LABELS_BASIS, free_port, launch_command, server
         ({"tier_host_gb": -1}, "--sparse-tier-host-gb"),
         ({"tier": "sync", "tier_host_gb": 1e9}, "--sparse-tier-host-gb"),
         ({"tier_gpu_tokens": -16}, "--sparse-tier-gpu-tokens"),
+        # less than one page of the tier rounds to no GPU-homed page at all
+        ({"tier": "async", "block_size": 32, "tier_gpu_tokens": 16}, "--sparse-tier-gpu-tokens"),
         ({"tier": "async", "tier_timing": "yes"}, "--sparse-tier-timing"),
         ({"tier_timing": "on"}, "--sparse-tier-timing"),  # nothing to time without the tier
         ({"tier": "async", "candidate_blocks": 64}, "--sparse-candidate-blocks"),

@@ -166,7 +166,9 @@ def test_probe_kernel_matches_reference(kv):
         return_lse=True)
     probe = GuardProbe(4, hq, hkv, d, min_len=48, max_context=pb.req_to_token.shape[1],
                        device=DEVICE, num_splits=4)
-    for ctrl in ([1, 1], [1, 0], [0, 1]):
+    # (probe, kv head) per request: all on one head, another head, none, each its own
+    for ctrl in ([[1, 1]] * 3, [[1, 0]] * 3, [[0, 1]] * 3, [[1, 0], [1, 1], [0, 1]],
+                 [[0, 0], [1, 1], [1, 1]]):
         ctrl = torch.tensor(ctrl, dtype=torch.int32, device=DEVICE)
         probe.recall_sum.fill_(0.25)  # accumulates on top of what is there
         probe.run(ctrl, q, pb.k_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens,
@@ -175,8 +177,14 @@ def test_probe_kernel_matches_reference(kv):
                                   pb.req_pool_indices.cpu(), pb.seq_lens.cpu(), sparse_lse.cpu(),
                                   d ** -0.5 * k_scale, 48) + 0.25
         torch.testing.assert_close(probe.recall_sum[:3].cpu(), expect, rtol=2e-2, atol=2e-2)
-        if int(ctrl[0]):
-            assert (expect[[0, 2]] < 1.25).all() and expect[1] == 0.25  # short one: dense
+        probing = ctrl[:, 0].cpu() != 0
+        assert expect[1] == 0.25  # the short one decodes densely: never probed
+        for b in (0, 2):  # a probed request adds its recall, in (0, 1)
+            added = float(expect[b]) - 0.25
+            assert (0 < added < 1) if probing[b] else added == 0, (ctrl.tolist(), b)
+    with pytest.raises(ValueError, match=r"contiguous \[3, 2\]"):
+        probe.run(torch.ones(2, dtype=torch.int32, device=DEVICE), q, pb.k_buffer,
+                  pb.req_to_token, pb.req_pool_indices, pb.seq_lens, sparse_lse, 1.0)
 
 
 # ---------------------------------------------------------------- through the backend
@@ -272,3 +280,82 @@ def test_guard_decisions_reach_prometheus():
     assert registry.get_sample_value("sglang_ext:guard_probes_total") == 3
     assert registry.get_sample_value("sglang_ext:guard_budget_raised_total") == 2
     assert registry.get_sample_value("sglang_ext:guard_budget_lowered_total") == 0
+
+
+# ------------------------------------------- the batched (Triton) guard keeps each request's cadence
+
+G_HQ, G_HKV, G_D, G_LAYERS, G_PAGE = 4, 2, 16, 2, 4
+G_ROWS = {1: 90, 3: 120}  # request row -> prompt length
+G_EVERY, G_STEPS, G_LATE = 2, 7, 3
+
+
+def _guarded_backend(tmp_path):
+    from cpu_backend import cpu_mha_pool, cpu_sparse_backend
+
+    pool = cpu_mha_pool(torch.bfloat16, G_HKV, G_D, G_LAYERS, G_PAGE, 128)
+    gen = torch.Generator().manual_seed(11)
+    for layer in range(G_LAYERS):  # a random context (slot 0 is the padding slot)
+        pool.get_key_buffer(layer)[1:] = torch.randn(
+            pool.get_key_buffer(layer)[1:].shape, generator=gen).to(torch.bfloat16)
+        pool.get_value_buffer(layer)[1:] = torch.randn(
+            pool.get_value_buffer(layer)[1:].shape, generator=gen).to(torch.bfloat16)
+    table = torch.zeros(4, 256, dtype=torch.int32)
+    table[1] = torch.arange(1, 257)
+    table[3] = torch.arange(257, 513)
+    channels = [[[0, 7, 15], [2, 3, 9]] for _ in range(G_LAYERS)]
+    backend = cpu_sparse_backend(tmp_path, pool, table, G_HQ, channels, "auto", budget=16,
+                                 guard_every=G_EVERY, guard_max_budget=64)
+    return backend, table
+
+
+def _guarded_decode(tmp_path, schedule: list[list[int]]) -> tuple[dict, dict]:
+    """Decode steps whose batches are ``schedule`` (request rows per step); each request's
+    q / k / v at its own n-th step are the same whatever else is in the batch. Returns per row
+    its outputs and its budget after each of its steps."""
+    from cpu_backend import attention_layer, decode_batch
+
+    from sglang_ext.attention.features.guard import KernelGuard
+
+    backend, table = _guarded_backend(tmp_path)
+    guard, = (f for f in backend.decoder.features if isinstance(f, KernelGuard))
+    done = {row: 0 for row in G_ROWS}
+    outs: dict = {row: [] for row in G_ROWS}
+    budgets: dict = {row: [] for row in G_ROWS}
+    for rows in schedule:
+        lens = [G_ROWS[r] + done[r] + 1 for r in rows]
+        qkv = []
+        for r in rows:
+            gen = torch.Generator().manual_seed(1000 * r + done[r])
+            qkv.append([tuple(torch.randn(n * G_D, generator=gen).to(torch.bfloat16)
+                              for n in (G_HQ, G_HKV, G_HKV)) for _ in range(G_LAYERS)])
+        batch = decode_batch(table, rows, lens)
+        backend.init_forward_metadata(batch)
+        for layer_id in range(G_LAYERS):
+            layer = attention_layer(layer_id, G_HQ, G_HKV, G_D)
+            q, k, v = (torch.stack([x[layer_id][i] for x in qkv]) for i in range(3))
+            out = backend.forward_decode(q, k.view(-1, G_HKV, G_D), v.view(-1, G_HKV, G_D),
+                                         layer, batch)
+            for i, r in enumerate(rows):
+                outs[r].append(out[i])
+        for r in rows:
+            budgets[r].append(int(guard.budget[r]))
+            done[r] += 1
+    return outs, budgets
+
+
+def test_batched_guard_probes_each_request_on_its_own_steps(tmp_path):
+    """A request that joins a running batch later decodes exactly what it decodes alone: the
+    Triton path's guard probes it on its own steps 0, every, 2 x every ... (RequestGuard's
+    rule), not on the server's. Regression: the soak on real weights (guard phase) found a
+    request whose output changed under load at token 8 (--sparse-guard-every 8)."""
+    alone, alone_budgets = _guarded_decode(tmp_path, [[3]] * G_STEPS)
+    # row 1 starts alone; row 3 joins G_LATE steps later, which is not a multiple of G_EVERY
+    late = [[1]] * G_LATE + [[1, 3]] * G_STEPS
+    joined, joined_budgets = _guarded_decode(tmp_path, late)
+    # the case is what it says: random keys, recall far below 0.9, so every probe doubles the
+    # budget up to the cap (16 -> 32 -> 64) right after the request's own steps 0 and 2
+    assert alone_budgets[3] == [32, 32, 64, 64, 64, 64, 64]
+    assert joined_budgets[3] == alone_budgets[3]
+    assert joined_budgets[1][:G_LATE] == [32, 32, 64]
+    for a, b in zip(alone[3], joined[3]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

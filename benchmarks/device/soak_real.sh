@@ -9,7 +9,7 @@
 # --sparse-tier or --sparse-guard-every, and the guard does not combine with the tier
 # (sglang_ext/config.py), so the soak runs on servers one after the other, the same model,
 # block 32 (= page size) and budget 256:
-#   A "load":   the CPU tier (async, every page homed on the host: --sparse-tier-gpu-tokens 16),
+#   A "load":   the CPU tier (async, every page but one homed on the host: --sparse-tier-gpu-tokens 32, one page),
 #               tier timing and metrics on: most of the requests, ~10 % aborted, shared
 #               prefixes, streaming and not, the bad-input sweep
 #   B "twins":  no tier, no guard: a smaller load, then the dense twins (beyond the budget:
@@ -36,7 +36,7 @@ COMMON="--model-path $MODEL --context-length 8192 --mem-fraction-static 0.5 \
   --max-running-requests 32 --attention-backend sglang_ext --sparse-impl triton \
   --page-size 32 --sparse-block-size 32 --sparse-budget 256 \
   --sparse-label-config $MODEL/sparse_labels.json"
-TIER="--sparse-tier async --sparse-tier-gpu-tokens 16 --sparse-tier-host-gb 8 \
+TIER="--sparse-tier async --sparse-tier-gpu-tokens 32 --sparse-tier-host-gb 8 \
   --sparse-tier-timing ${SGLANG_EXT_TIER_TIMING:-on} --enable-metrics"
 # 1k-8k-token prompts (the context is 8192 with 32 new tokens), most of them short
 LENGTHS="1024:40 2048:30 4096:20 7000:10"

@@ -1,10 +1,12 @@
 """The accuracy guard (``--sparse-guard-every``): probe each request's recall now and then and
 move its budget between the configured one and its maximum (selection/guard.py has the rule).
 
-* :class:`KernelGuard`: the batched decode. Budgets, streaks and counters live on the device;
-  a probe step runs the dense LSE of one kv head per layer (kernels/guard_probe.py) beside the
-  sparse attention's own LSE, and the new budgets are computed after the last layer, all inside
-  the CUDA graph. The kernels run in a workspace sized for the largest budget, each request at
+* :class:`KernelGuard`: the batched decode. Budgets, streaks, each request's own step count and
+  the counters live on the device; a request's probe step runs the dense LSE of one kv head per
+  layer (kernels/guard_probe.py) beside the sparse attention's own LSE, and the new budgets are
+  computed after the last layer, all inside the CUDA graph. Each request probes on its own
+  steps, as :class:`RequestGuard` does, so what it decodes does not depend on when the other
+  requests of its batch arrived. The kernels run in a workspace sized for the largest budget, each request at
   its own top-k sizes (``row_ks``).
 * :class:`ReferenceGuard`: the reference decode, one :class:`RequestGuard` per request row on
   the host.
@@ -71,11 +73,13 @@ class KernelGuard(DecodeFeature):
         i32 = dict(dtype=torch.int32, device=dev)
         self.budget = torch.full((rows,), policy.base_budget, **i32)  # every row's budget
         self.streak = torch.zeros(rows, **i32)
-        # this step's probe control (probe?, kv head), filled before each step: no sync
-        self.control = torch.zeros(2, **i32)
+        # each row's sparse decode steps so far (steps whose context exceeds the largest budget)
+        self.row_steps = torch.zeros(rows, **i32)
+        # this step's probe control per batch entry (probe?, kv head), set in start_layers
+        self.control = torch.zeros(rows, 2, **i32)
         self.counts = torch.zeros(3, dtype=torch.int64, device=dev)  # probes, raised, lowered
         self.row_ks: Any = None
-        self.steps = 0
+        self.steps = 0  # decode steps of the server (for the periodic report)
         self.probe = GuardProbe(
             max_batch=rows, num_q_heads=ctx.num_q_heads, num_kv_heads=pool.head_num,
             head_dim=pool.get_key_buffer(pool.start_layer).shape[-1],
@@ -88,26 +92,31 @@ class KernelGuard(DecodeFeature):
             rows = forward_batch.req_pool_indices.long()
             self.budget.index_fill_(0, rows, self.policy.base_budget)
             self.streak.index_fill_(0, rows, 0)
+            self.row_steps.index_fill_(0, rows, 0)
         elif kind == "decode":
-            self._step_control()
+            self._report()
 
-    def _step_control(self) -> None:
-        """Whether this step probes and which kv head (two device fills, no sync); now and then
-        read and report the counters."""
-        step = self.steps
+    def _report(self) -> None:
+        """Now and then read and report the counters (a host sync: rarely)."""
         self.steps += 1
-        num_kv_heads = self.ctx.token_to_kv_pool.head_num
-        self.control[0].fill_(int(self.policy.is_probe_step(step)))
-        self.control[1].fill_(self.policy.probe_head(step, num_kv_heads))
-        if step and step % GUARD_REPORT_EVERY == 0:  # a host sync: rarely
+        if self.steps % GUARD_REPORT_EVERY == 0:
             counts = self.counts.tolist()
             logger.info("sglang_ext guard: %d probes, %d raised, %d lowered", *counts)
             self.totals.publish(counts)
 
     def start_layers(self, plan: Any) -> None:
+        rows = plan.rows.req_pool_indices.long()
         # This step's per-request top-k sizes, from the budgets the guard left last step.
-        budgets = self.budget[plan.rows.req_pool_indices.long()]
-        self.row_ks = row_top_k(self.ctx.default_params, budgets)
+        self.row_ks = row_top_k(self.ctx.default_params, self.budget[rows])
+        # Which requests probe and which kv head, from each one's own step count (the rule of
+        # GuardPolicy, on the device); requests that still decode densely and CUDA-graph
+        # padding entries (length 1) do not.
+        steps = self.row_steps[rows]
+        every = max(self.policy.every, 1)
+        sparse = plan.rows.seq_lens > self.policy.max_budget
+        control = self.control[:rows.shape[0]]
+        control[:, 0] = (sparse & (steps % every == 0)).to(torch.int32)
+        control[:, 1] = (steps // every) % self.ctx.token_to_kv_pool.head_num
         self.probe.recall_sum.zero_()
 
     def layer_inputs(self, plan: Any, step: LayerStep) -> dict[str, Any]:
@@ -116,9 +125,9 @@ class KernelGuard(DecodeFeature):
     def after_layer(self, plan: Any, step: LayerStep, lse: Optional[torch.Tensor]) -> None:
         rows = plan.rows
         # the dense LSE over the keys as the sparse one read them (times the KV scale)
-        self.probe.run(self.control, step.q, step.cache.k_buffer, rows.req_to_token,
-                       rows.req_pool_indices, rows.seq_lens, lse,
-                       step.scaling * step.cache.k_scale)
+        self.probe.run(self.control[:rows.req_pool_indices.shape[0]], step.q,
+                       step.cache.k_buffer, rows.req_to_token, rows.req_pool_indices,
+                       rows.seq_lens, lse, step.scaling * step.cache.k_scale)
 
     def end_layers(self, plan: Any) -> None:
         """The probed requests' new budgets, computed on the device; padding entries (length 1)
@@ -128,8 +137,11 @@ class KernelGuard(DecodeFeature):
         recall = self.probe.recall_sum[:batch] / self.ctx.num_layers
         old, old_streak = self.budget[rows], self.streak[rows]
         new, streak = next_budget(self.policy, old, old_streak, recall)
-        probed = (self.control[0] != 0) & (plan.rows.seq_lens > self.policy.max_budget)
+        probed = self.control[:batch, 0] != 0
         zero = torch.zeros_like(old)
+        # a request's step counts once its context exceeds the largest budget (RequestGuard)
+        self.row_steps.index_put_((rows,), (plan.rows.seq_lens > self.policy.max_budget)
+                                  .to(torch.int32), accumulate=True)
         delta = torch.where(probed, new - old, zero)
         self.budget.index_put_((rows,), delta, accumulate=True)
         self.streak.index_put_((rows,), torch.where(probed, streak - old_streak, zero),
