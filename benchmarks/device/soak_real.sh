@@ -12,8 +12,9 @@
 #   A "load":   the CPU tier (async, every page but one homed on the host: --sparse-tier-gpu-tokens 32, one page),
 #               tier timing and metrics on: most of the requests, ~10 % aborted, shared
 #               prefixes, streaming and not, the bad-input sweep
-#   B "twins":  no tier, no guard: a smaller load, then the dense twins (beyond the budget:
-#               top-1 agreement; within it: identical outputs), the sweep
+#   B "twins":  the recommended setting (the kpca label basis, --sparse-rerank 4), no tier, no
+#               guard: a smaller load, then the dense twins (beyond the budget: top-1
+#               agreement; within it: identical outputs), the sweep
 #   G "guard":  the accuracy guard (--sparse-guard-every 8): a short load and the sweep
 #               (skipped when too little time is left)
 # then the live faults on a fresh tier server (skipped when too little time is left) and the
@@ -29,6 +30,7 @@ BUDGET=${SOAK_REAL_SECONDS:-510}
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 status=0
 [ -f "$MODEL/config.json" ] && [ -f "$MODEL/sparse_labels.json" ] \
+  && [ -f "$MODEL/sparse_labels_kpca.json" ] \
   || { echo "soak-real: no $MODEL (run the smollm2 step first)"; exit 1; }
 
 COMMON="--model-path $MODEL --context-length 8192 --mem-fraction-static 0.5 \
@@ -36,6 +38,8 @@ COMMON="--model-path $MODEL --context-length 8192 --mem-fraction-static 0.5 \
   --max-running-requests 32 --attention-backend sglang_ext --sparse-impl triton \
   --page-size 32 --sparse-block-size 32 --sparse-budget 256 \
   --sparse-label-config $MODEL/sparse_labels.json"
+# phase B: the README's recommended setting (the rerank combines with neither tier nor guard)
+FAITHFUL="${COMMON/sparse_labels.json/sparse_labels_kpca.json} --sparse-rerank 4"
 TIER="--sparse-tier async --sparse-tier-gpu-tokens 32 --sparse-tier-host-gb 8 \
   --sparse-tier-timing ${SGLANG_EXT_TIER_TIMING:-on} --enable-metrics"
 # 1k-8k-token prompts (the context is 8192 with 32 new tokens), most of them short
@@ -63,7 +67,7 @@ timeout $(( $(left) - 30 )) "${SOAK[@]}" --lengths $LENGTHS 120:8 --requests "${
   --time-limit $(( $(left) > 260 ? 60 : 30 )) --port 30401 \
   --dense-twins 12 --dense-twins-within 4 --twin-tokens 32 \
   --out "$WORK/twins.json" --server-log "$WORK/twins_server.log" \
-  --launch "$COMMON" > "$WORK/twins.out" 2>&1 || status=1
+  --launch "$FAITHFUL" > "$WORK/twins.out" 2>&1 || status=1
 tail -4 "$WORK/twins.out"
 
 phases=(load="$WORK/load.json" twins="$WORK/twins.json")
@@ -82,8 +86,8 @@ fi
 python3 benchmarks/soak.py --merge "${phases[@]}" --out "$OUT/soak_real_h200.json" \
   --model "SmolLM2-135M ($MODEL)" \
   --note "Requests on three servers of one model, block 32, budget 256 (phases, with their \
-flags): load on the CPU tier (async, every page on the host), dense twins on a server without \
-tier or guard because per-request settings (custom_params.sparse.method=dense) do not combine \
+flags): load on the CPU tier (async, every page but one on the host), dense twins at the \
+recommended setting (kpca label basis, rerank 4) on a server without tier or guard because per-request settings (custom_params.sparse.method=dense) do not combine \
 with --sparse-tier or --sparse-guard-every on the Triton path, and the guard on its own server \
 because it does not combine with the tier. Fault table: faults_h200.json." || status=1
 
