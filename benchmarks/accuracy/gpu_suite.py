@@ -146,7 +146,8 @@ def plot(doc: dict, path: str) -> None:
 
     rows = doc["rows"]
     contexts = sorted({r["context"] for r in rows})
-    configs = sorted({(r["block_size"], r["storage"]) for r in rows})
+    # (block, storage, labels); files before the label basis have no "labels": the channels
+    configs = sorted({(r["block_size"], r["storage"], r.get("labels", "channels")) for r in rows})
     fig, axes = plt.subplots(1, len(contexts), figsize=(4.2 * len(contexts), 3.6), squeeze=False,
                              sharey=True, layout="constrained")
     for ax, ctx in zip(axes[0], contexts):
@@ -154,15 +155,18 @@ def plot(doc: dict, path: str) -> None:
         dense = [r["score"] for r in at if r["method"] == "dense"]
         if dense:
             ax.axhline(sum(dense) / len(dense), color="black", ls="--", lw=1, label="dense")
-        for bs, storage in configs:
+        for bs, storage, labels in configs:
             for method in sorted({r["method"] for r in at if r["budget"]}):
                 pts: dict = {}
                 for r in at:
-                    if (r["method"], r["block_size"], r["storage"]) == (method, bs, storage):
+                    if (r["method"], r["block_size"], r["storage"],
+                            r.get("labels", "channels")) == (method, bs, storage, labels):
                         pts.setdefault(r["budget_share"], []).append(r["score"])
                 xs = sorted(pts)
+                if not xs:
+                    continue
                 ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], marker="o", ms=3,
-                        label=f"{method} b{bs} {storage}")
+                        label=f"{method} b{bs} {storage}, {labels} labels")
         ax.set_xscale("log", base=2)
         ax.set_title(f"context {ctx}", fontsize=9)
         ax.set_xlabel("budget / context", fontsize=8)
