@@ -146,45 +146,68 @@ def test_batched_decode_with_per_request_budgets(method):
         torch.testing.assert_close(lse[sl], ref_lse, rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
-def test_probe_kernel_matches_reference(kv):
-    """The probe's dense LSE against the reference's; on an fp8 cache (``--kv-cache-dtype
-    fp8_e4m3``) with the layer's k_scale folded into the scaling, as the backend passes it."""
-    hq, hkv, d, bs = 6, 2, 32, 4
-    gen = case_generator("probe", kv)
-    lens = [300, 40, 257]
+def _check_probe(kv: str, hq: int, hkv: int, d: int, bs: int, lens: list[int],
+                 params: SelectionParams, ctrls: list[list[list[int]]], device: str,
+                 num_splits: int) -> None:
+    """The probe's recall per request against :func:`probe_recall_ref` for each control
+    ``[B, 2]`` in ``ctrls``; requests no longer than the largest budget (``params.budget``)
+    are never probed."""
+    gen = case_generator("probe", kv, hq, d, *lens)
     fp8 = kv == "fp8"
     pb = make_paged_batch(gen, lens, hkv, d, bs, dtype=torch.float8_e4m3fn if fp8 else
-                          torch.bfloat16, device=DEVICE,
+                          torch.bfloat16, device=device,
                           summary_dtype=torch.float32 if fp8 else None)
-    q = random_values(gen, len(lens), hq, d, dtype=torch.bfloat16, device=DEVICE)
-    params = SelectionParams("two_level", 48, bs, 8, 3, 5)
+    q = random_values(gen, len(lens), hq, d, dtype=torch.bfloat16, device=device)
     k_scale = 0.5 if fp8 else 1.0
     _, sparse_lse = sparse_decode_batched(
         q, LayerCache(pb.k_buffer, pb.v_buffer, pb.kmin, pb.kmax, k_scale=k_scale),
         DecodeRows(pb.req_to_token, pb.req_pool_indices, pb.seq_lens), params, d ** -0.5,
         return_lse=True)
-    probe = GuardProbe(4, hq, hkv, d, min_len=48, max_context=pb.req_to_token.shape[1],
-                       device=DEVICE, num_splits=4)
-    # (probe, kv head) per request: all on one head, another head, none, each its own
-    for ctrl in ([[1, 1]] * 3, [[1, 0]] * 3, [[0, 1]] * 3, [[1, 0], [1, 1], [0, 1]],
-                 [[0, 0], [1, 1], [1, 1]]):
-        ctrl = torch.tensor(ctrl, dtype=torch.int32, device=DEVICE)
+    min_len = params.budget
+    probe = GuardProbe(len(lens) + 1, hq, hkv, d, min_len=min_len,
+                       max_context=pb.req_to_token.shape[1], device=device,
+                       num_splits=num_splits)
+    batch = len(lens)
+    for ctrl in ctrls:
+        ctrl = torch.tensor(ctrl, dtype=torch.int32, device=device)
         probe.recall_sum.fill_(0.25)  # accumulates on top of what is there
         probe.run(ctrl, q, pb.k_buffer, pb.req_to_token, pb.req_pool_indices, pb.seq_lens,
                   sparse_lse, d ** -0.5 * k_scale)
         expect = probe_recall_ref(ctrl.cpu(), q.cpu(), pb.k_buffer.cpu(), pb.req_to_token.cpu(),
                                   pb.req_pool_indices.cpu(), pb.seq_lens.cpu(), sparse_lse.cpu(),
-                                  d ** -0.5 * k_scale, 48) + 0.25
-        torch.testing.assert_close(probe.recall_sum[:3].cpu(), expect, rtol=2e-2, atol=2e-2)
-        probing = ctrl[:, 0].cpu() != 0
-        assert expect[1] == 0.25  # the short one decodes densely: never probed
-        for b in (0, 2):  # a probed request adds its recall, in (0, 1)
+                                  d ** -0.5 * k_scale, min_len) + 0.25
+        torch.testing.assert_close(probe.recall_sum[:batch].cpu(), expect, rtol=2e-2, atol=2e-2)
+        for b, n in enumerate(lens):  # a probed request adds its recall, in (0, 1)
             added = float(expect[b]) - 0.25
-            assert (0 < added < 1) if probing[b] else added == 0, (ctrl.tolist(), b)
-    with pytest.raises(ValueError, match=r"contiguous \[3, 2\]"):
-        probe.run(torch.ones(2, dtype=torch.int32, device=DEVICE), q, pb.k_buffer,
+            probed = bool(ctrl[b, 0]) and n > min_len
+            assert (0 < added < 1) if probed else added == 0, (ctrl.tolist(), b)
+    with pytest.raises(ValueError, match=rf"contiguous \[{batch}, 2\]"):
+        probe.run(torch.ones(2, dtype=torch.int32, device=device), q, pb.k_buffer,
                   pb.req_to_token, pb.req_pool_indices, pb.seq_lens, sparse_lse, 1.0)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_probe_kernel_matches_reference(kv):
+    """The probe's dense LSE against the reference's, each request at its own (probe, kv head);
+    on an fp8 cache (``--kv-cache-dtype fp8_e4m3``) with the layer's k_scale folded into the
+    scaling, as the backend passes it."""
+    # all on one head, another head, none, each its own
+    ctrls = [[[1, 1]] * 3, [[1, 0]] * 3, [[0, 1]] * 3, [[1, 0], [1, 1], [0, 1]],
+             [[0, 0], [1, 1], [1, 1]]]
+    _check_probe(kv, 6, 2, 32, 4, [300, 40, 257], SelectionParams("two_level", 48, 4, 8, 3, 5),
+                 ctrls, DEVICE, num_splits=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_gpu_probe_real_shapes(kv):
+    """Qwen3-8B heads (32 q / 8 kv x 128), block 32, budget 2048: requests of 32k, 8k, one that
+    still decodes densely and 4k, each probing its own kv head or not."""
+    ctrls = [[[1, 7], [1, 0], [1, 3], [0, 5]], [[0, 0], [1, 2], [0, 0], [1, 6]]]
+    _check_probe(kv, 32, 8, 128, 32, [32768, 8192, 1500, 4096],
+                 SelectionParams("two_level", 2048, 32, 128, 16, 64), ctrls, "cuda",
+                 num_splits=32)
 
 
 # ---------------------------------------------------------------- through the backend
