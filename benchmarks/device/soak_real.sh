@@ -9,7 +9,8 @@
 # --sparse-tier or --sparse-guard-every, and the guard does not combine with the tier
 # (sglang_ext/config.py), so the soak runs on servers one after the other, the same model,
 # block 32 (= page size) and budget 256:
-#   A "load":   the CPU tier (async, every page but one homed on the host: --sparse-tier-gpu-tokens 32, one page),
+#   A "load":   the CPU tier (async, every page but one homed on the host:
+#               --sparse-tier-gpu-tokens 32, one page),
 #               tier timing and metrics on: most of the requests, ~10 % aborted, shared
 #               prefixes, streaming and not, the bad-input sweep
 #   B "twins":  the recommended setting (the kpca label basis, --sparse-rerank 4), no tier, no
@@ -87,7 +88,8 @@ python3 benchmarks/soak.py --merge "${phases[@]}" --out "$OUT/soak_real_h200.jso
   --model "SmolLM2-135M ($MODEL)" \
   --note "Requests on three servers of one model, block 32, budget 256 (phases, with their \
 flags): load on the CPU tier (async, every page but one on the host), dense twins at the \
-recommended setting (kpca label basis, rerank 4) on a server without tier or guard because per-request settings (custom_params.sparse.method=dense) do not combine \
+recommended setting (kpca label basis, rerank 4) on a server without tier or guard because \
+per-request settings (custom_params.sparse.method=dense) do not combine \
 with --sparse-tier or --sparse-guard-every on the Triton path, and the guard on its own server \
 because it does not combine with the tier. Fault table: faults_h200.json." || status=1
 

@@ -49,13 +49,14 @@ class GuardPolicy:
     def high(self) -> float:
         return 1.0 - (1.0 - self.low) / 4.0
 
-    def is_probe_step(self, step: int) -> bool:
+    def is_probe_step(self, step):
         """Whether a request's ``step``-th decode step (0-based) probes: the first and then one
-        every ``every`` steps."""
+        every ``every`` steps (an int, or elementwise on an int tensor of steps)."""
         return self.enabled and step % self.every == 0
 
-    def probe_head(self, step: int, num_kv_heads: int) -> int:
-        """The kv head probed at a probe step: rotates from one probe to the next."""
+    def probe_head(self, step, num_kv_heads: int):
+        """The kv head probed at a probe step: rotates from one probe to the next (an int, or
+        elementwise on an int tensor)."""
         return (step // max(self.every, 1)) % num_kv_heads
 
 

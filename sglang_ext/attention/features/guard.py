@@ -6,8 +6,8 @@ move its budget between the configured one and its maximum (selection/guard.py h
   layer (kernels/guard_probe.py) beside the sparse attention's own LSE, and the new budgets are
   computed after the last layer, all inside the CUDA graph. Each request probes on its own
   steps, as :class:`RequestGuard` does, so what it decodes does not depend on when the other
-  requests of its batch arrived. The kernels run in a workspace sized for the largest budget, each request at
-  its own top-k sizes (``row_ks``).
+  requests of its batch arrived. The kernels run in a workspace sized for the largest budget,
+  each request at its own top-k sizes (``row_ks``).
 * :class:`ReferenceGuard`: the reference decode, one :class:`RequestGuard` per request row on
   the host.
 """
@@ -79,6 +79,7 @@ class KernelGuard(DecodeFeature):
         self.control = torch.zeros(rows, 2, **i32)
         self.counts = torch.zeros(3, dtype=torch.int64, device=dev)  # probes, raised, lowered
         self.row_ks: Any = None
+        self.sparse_rows: Any = None  # this step's batch entries past the largest budget
         self.steps = 0  # decode steps of the server (for the periodic report)
         self.probe = GuardProbe(
             max_batch=rows, num_q_heads=ctx.num_q_heads, num_kv_heads=pool.head_num,
@@ -108,15 +109,14 @@ class KernelGuard(DecodeFeature):
         rows = plan.rows.req_pool_indices.long()
         # This step's per-request top-k sizes, from the budgets the guard left last step.
         self.row_ks = row_top_k(self.ctx.default_params, self.budget[rows])
-        # Which requests probe and which kv head, from each one's own step count (the rule of
-        # GuardPolicy, on the device); requests that still decode densely and CUDA-graph
-        # padding entries (length 1) do not.
+        # Which requests probe and which kv head, from each one's own step count (GuardPolicy's
+        # rule, on device tensors); requests that still decode densely and CUDA-graph padding
+        # entries (length 1) neither probe nor count the step.
         steps = self.row_steps[rows]
-        every = max(self.policy.every, 1)
-        sparse = plan.rows.seq_lens > self.policy.max_budget
+        self.sparse_rows = plan.rows.seq_lens > self.policy.max_budget
         control = self.control[:rows.shape[0]]
-        control[:, 0] = (sparse & (steps % every == 0)).to(torch.int32)
-        control[:, 1] = (steps // every) % self.ctx.token_to_kv_pool.head_num
+        control[:, 0] = self.sparse_rows & self.policy.is_probe_step(steps)
+        control[:, 1] = self.policy.probe_head(steps, self.ctx.token_to_kv_pool.head_num)
         self.probe.recall_sum.zero_()
 
     def layer_inputs(self, plan: Any, step: LayerStep) -> dict[str, Any]:
@@ -140,8 +140,7 @@ class KernelGuard(DecodeFeature):
         probed = self.control[:batch, 0] != 0
         zero = torch.zeros_like(old)
         # a request's step counts once its context exceeds the largest budget (RequestGuard)
-        self.row_steps.index_put_((rows,), (plan.rows.seq_lens > self.policy.max_budget)
-                                  .to(torch.int32), accumulate=True)
+        self.row_steps.index_put_((rows,), self.sparse_rows.to(torch.int32), accumulate=True)
         delta = torch.where(probed, new - old, zero)
         self.budget.index_put_((rows,), delta, accumulate=True)
         self.streak.index_put_((rows,), torch.where(probed, streak - old_streak, zero),
