@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import requests
@@ -543,13 +544,17 @@ def series_name(row: dict[str, Any]) -> str:
             f"({row.get('model', '?')}{f', tp {tp}' if tp > 1 else ''})")
 
 
-def synthetic_label_config(model_path: str, channels: int, out_dir: str) -> str:
+def synthetic_label_config(model_path: str, channels: int, out_dir: str,
+                           basis: bool = False) -> str:
     """A label config of ``channels`` random distinct channels per (layer, kv head) for the
     model's shape: with dummy weights there is nothing to calibrate, but the decode step then
-    reads label channels (and the label cache) as it does with a calibrated config."""
+    reads label channels (and the label cache) as it does with a calibrated config. With
+    ``basis``, the labels are instead the leading coordinates of a random orthonormal basis
+    per kv head (the shape and cost of ``calibrate --basis kpca``: two small rotations per
+    layer), saved beside the config."""
     import random
 
-    from sglang_ext.selection.calibrate import FORMAT, dumps_label_config
+    from sglang_ext.selection.calibrate import FORMAT, dumps_label_config, write_label_basis
 
     with open(os.path.join(model_path, "config.json")) as f:
         cfg = json.load(f)
@@ -557,14 +562,26 @@ def synthetic_label_config(model_path: str, channels: int, out_dir: str) -> str:
                                                            cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     rng = random.Random(0)
-    payload = {
+    payload: dict[str, Any] = {
         "format": FORMAT, "label_channels": channels,
         "model": {"num_layers": layers, "num_kv_heads": kv_heads, "head_dim": head_dim},
         "calibration": {"synthetic": "random channels for dummy weights (timing only)"},
         "channels": [[sorted(rng.sample(range(head_dim), channels)) for _ in range(kv_heads)]
                      for _ in range(layers)],
     }
-    path = os.path.join(out_dir, f"labels_{os.path.basename(model_path)}_{channels}.json")
+    name = f"labels_{os.path.basename(model_path)}_{channels}{'_basis' if basis else ''}"
+    path = os.path.join(out_dir, f"{name}.json")
+    if basis:
+        import torch
+
+        gen = torch.Generator().manual_seed(0)
+        rotation = torch.linalg.qr(torch.randn(layers, kv_heads, head_dim, head_dim,
+                                               generator=gen)).Q
+        payload["calibration"] = {"synthetic": "random orthonormal basis for dummy weights "
+                                               "(timing only)"}
+        payload["channels"] = [[list(range(channels))] * kv_heads] * layers
+        payload["basis"] = write_label_basis(Path(out_dir) / f"{name}.basis.pt", "kpca",
+                                             rotation, rotation)
     with open(path, "w") as f:
         f.write(dumps_label_config(payload))
     return path
@@ -801,6 +818,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label-channels", type=int, default=16,
                    help="ours: random label channels per kv head (dummy weights have nothing to "
                         "calibrate); 0 = none, token scores then use every channel")
+    p.add_argument("--label-basis", action="store_true",
+                   help="ours: the labels as leading coordinates of a random orthonormal basis "
+                        "per kv head, the cost of the recommended calibrate --basis kpca")
     return p
 
 
@@ -818,7 +838,10 @@ def main() -> int:
         return merge_calls(args.merge, stem + ".json", stem + ".png")
 
     os.makedirs(args.out, exist_ok=True)
-    label_config = synthetic_label_config(args.model, args.label_channels, args.out) \
+    if args.label_basis and not args.label_channels:
+        p.error("--label-basis needs --label-channels > 0")
+    label_config = synthetic_label_config(args.model, args.label_channels, args.out,
+                                          basis=args.label_basis) \
         if args.label_channels else None
     rows: list[dict[str, Any]] = []
     lengths = args.input_len

@@ -13,6 +13,8 @@
 # gputests: GPUTESTS_K (a pytest -k expression), GPUTESTS_ARGS (more pytest words), GPUTESTS_SECONDS,
 #   GPUTESTS_SHARD (K/N: the K-th of N slices; the whole suite takes ~8 min on an H100, so two
 #   warm calls with 1/2 and 2/2 each fit the 10-minute limit)
+# e2e: E2E_CONFIGS, E2E_INPUT, E2E_OUTPUT, E2E_PROMPTS, E2E_BLOCK_SIZE, E2E_EXTRA (server flags),
+#   E2E_ARGS (more e2e_serving.py flags, e.g. --label-basis)
 # operator, server and fidelity run benchmarks/run.py (what the Makefile's bench-* targets call).
 # Wheels in .whl/ (carried, git-ignored; e.g. prometheus_client for --enable-metrics, which the
 # bundle lacks) are installed first.
@@ -125,7 +127,7 @@ for step in "$@"; do
         --num-prompts "${E2E_PROMPTS:-16}" --concurrency "${E2E_CONCURRENCY:-${E2E_PROMPTS:-16}}" \
         --warmup-requests "${E2E_WARMUP:-1}" --profile-steps "${E2E_PROFILE_STEPS:-0}" \
         ${E2E_BLOCK_SIZE:+--block-size "$E2E_BLOCK_SIZE"} ${E2E_APPEND:+--append} \
-        ${E2E_DECODE_ONLY:+--decode-only} \
+        ${E2E_DECODE_ONLY:+--decode-only} ${E2E_ARGS:-} \
         --extra "${E2E_EXTRA:---mem-fraction-static 0.75}" || status=1 ;;
     soak)
       # >= 200 requests of 1k-128k tokens, ~10 % aborted, CPU tier on, metrics on; decisive dummy
