@@ -234,6 +234,39 @@ def parse_variant(text: str) -> Variant:
     return Variant(text, parts[0] if parts[0] in whole_context_kinds else "two_level", **kw)
 
 
+def plot(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
+    """One panel per budget: each (task, context) cell's score per variant, with its Wilson
+    interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = sorted({r.get("budget_share") or r["budget"] for r in rows}, reverse=True)
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    cells = sorted({(r["task"], r["context"]) for r in rows}, key=lambda c: (c[1], c[0]))
+    fig, axes = plt.subplots(len(budgets), 1, figsize=(max(6, 1.2 * len(cells)), 3.2 * len(budgets)),
+                             squeeze=False)
+    width = 0.8 / len(variants)
+    for ax, budget in zip(axes[:, 0], budgets):
+        for j, name in enumerate(variants):
+            got = {(r["task"], r["context"]): r for r in rows if r["variant"] == name
+                   and (r.get("budget_share") or r["budget"]) == budget}
+            xs = [i + (j - (len(variants) - 1) / 2) * width for i, c in enumerate(cells) if c in got]
+            ys = [got[c]["score"] for c in cells if c in got]
+            err = [[got[c]["score"] - got[c]["ci_low"] for c in cells if c in got],
+                   [got[c]["ci_high"] - got[c]["score"] for c in cells if c in got]]
+            ax.bar(xs, ys, width, yerr=err, capsize=2, label=name)
+        ax.set_xticks(range(len(cells)), [f"{t}\n{c // 1024}k" for t, c in cells], fontsize=7)
+        label = f"budget = context/{round(1 / budget)}" if budget < 1 else f"budget {budget}"
+        ax.set_title(f"{title} {label}".strip(), fontsize=9)
+        ax.set_ylabel("score (Wilson 95%)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 @torch.inference_mode()
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
@@ -247,6 +280,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--variants", nargs="+", default=["dense", "ds", "two_level:16", "two_level:32"])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--plot", action="store_true", help="also draw OUT's .png beside it")
     args = ap.parse_args(argv)
 
     from transformers import AttentionInterface, AutoModelForCausalLM
@@ -294,7 +328,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = []
     for (task, ctx, budget, name), xs in hits.items():
         lo, hi = wilson(sum(xs), len(xs))
-        rows.append({"task": task, "context": ctx, "budget": budget, "variant": name,
+        rows.append({"task": task, "context": ctx, "budget": budget,
+                     "budget_share": args.budget_ratio or None, "variant": name,
                      "score": 100 * sum(xs) / len(xs), "n": len(xs), "ci_low": lo, "ci_high": hi})
     for r in rows:
         print(f"{r['task']:12s} {r['context']:5d} b{r['budget']:<5d} {r['variant']:28s} "
@@ -304,6 +339,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         write_results(args.out, rows, {"commit": git_commit(), "machine": "cpu",
                                        "model": os.path.basename(os.path.abspath(args.model_dir)),
                                        "args": vars(args)})
+        if args.plot:
+            plot(rows, os.path.splitext(args.out)[0] + ".png", "SmolLM2, CPU harness,")
     return 0
 
 

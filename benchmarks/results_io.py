@@ -290,6 +290,12 @@ def _accuracy_gpu(doc: dict[str, Any], path: str) -> None:
     plot(doc, path)
 
 
+def _study(doc: dict[str, Any], path: str) -> None:
+    from benchmarks.block_filter_study import plot
+
+    plot(doc["rows"], path, f"{doc.get('model', '')}, CPU harness,")
+
+
 def _longgen(doc: dict[str, Any], path: str) -> None:
     from benchmarks.accuracy.longgen import render_plot
 
@@ -327,6 +333,7 @@ PLOTS: tuple[Plot, ...] = (  # first match wins
     Plot("transfer/*.png", _transfer),
     Plot("accuracy/accuracy_gpu_*.png", _accuracy_gpu),
     Plot("accuracy/longgen_*.png", _longgen),
+    Plot("accuracy/*_study_*.png", _study),
     Plot("accuracy/*.png", _accuracy),
 )
 

@@ -18,6 +18,7 @@ from benchmarks.e2e_serving import (
     plot,
     series_name,
     server_log_stats,
+    synthetic_label_config,
     tier_traffic,
 )
 from benchmarks.soak import TIE_MARGIN
@@ -618,3 +619,23 @@ def test_mla_e2e_step_parses_and_its_configs_start_on_the_mla_model() -> None:
         assert cfg.tier == "async" or name != "sglang_ext_tier"
         check_mla_model(SimpleNamespace(get_model_config=lambda: mc, device="cuda",
                                         kv_cache_dtype="auto"), cfg)
+
+
+def test_synthetic_label_basis_loads_as_a_calibrated_one(tmp_path: Path) -> None:
+    """--label-basis: the serving rows of the recommended setting time the basis's rotations on
+    dummy weights, so the file must pass the server's own basis checks (shape, sha256, leading
+    coordinates) and be orthonormal, as a calibrated kpca basis is."""
+    import torch
+
+    from sglang_ext.selection.calibrate import load_label_basis, load_label_config
+
+    model = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "models", "qwen3-8b-shape")
+    path = synthetic_label_config(model, 16, str(tmp_path), basis=True)
+    shape = dict(num_layers=36, num_kv_heads=8, head_dim=128)
+    query, key = load_label_basis(path, **shape)
+    assert query.shape == (36, 8, 128, 128) and torch.equal(query, key)
+    eye = torch.eye(128).expand_as(query)
+    assert torch.allclose(query @ query.transpose(-1, -2), eye, atol=1e-5)
+    assert load_label_config(path, **shape).shape == (36, 8, 16)
+    plain = synthetic_label_config(model, 16, str(tmp_path))
+    assert load_label_basis(plain, **shape) is None
