@@ -267,6 +267,23 @@ def plot(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
     plt.close(fig)
 
 
+def merge_study_files(paths: Sequence[str], out: str, draw: bool) -> None:
+    """One results file from runs at other budgets (``--merge``): each row keeps its run's
+    ``--budget-ratio`` as ``budget_share``, the file keeps every run's arguments."""
+    docs = []
+    for path in paths:
+        with open(path) as f:
+            docs.append(json.load(f))
+    rows = [{**r, "budget_share": r.get("budget_share") or d["args"]["budget_ratio"] or None}
+            for d in docs for r in d["rows"]]
+    commits = sorted({d["commit"] for d in docs})
+    write_results(out, rows, {"commit": commits[0] if len(commits) == 1 else commits,
+                              "machine": "cpu", "model": docs[0]["model"],
+                              "merged_runs": [d["args"] for d in docs]})
+    if draw:
+        plot(rows, os.path.splitext(out)[0] + ".png", f"{docs[0]['model']}, CPU harness,")
+
+
 @torch.inference_mode()
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
@@ -281,7 +298,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--variants", nargs="+", default=["dense", "ds", "two_level:16", "two_level:32"])
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", action="store_true", help="also draw OUT's .png beside it")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="FILE",
+                    help="no run: merge these results files (runs at other budgets) into --out")
     args = ap.parse_args(argv)
+    if args.merge:
+        if not args.out:
+            ap.error("--merge needs --out")
+        merge_study_files(args.merge, args.out, args.plot)
+        return 0
 
     from transformers import AttentionInterface, AutoModelForCausalLM
     from sglang_ext.selection.calibrate import load_label_config
@@ -336,11 +360,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{r['score']:5.1f} [{r['ci_low']:.0f},{r['ci_high']:.0f}] n={r['n']}")
     print(f"{time.time() - t0:.0f} s")
     if args.out:
-        write_results(args.out, rows, {"commit": git_commit(), "machine": "cpu",
-                                       "model": os.path.basename(os.path.abspath(args.model_dir)),
+        model = os.path.basename(os.path.abspath(args.model_dir))
+        write_results(args.out, rows, {"commit": git_commit(), "machine": "cpu", "model": model,
                                        "args": vars(args)})
         if args.plot:
-            plot(rows, os.path.splitext(args.out)[0] + ".png", "SmolLM2, CPU harness,")
+            plot(rows, os.path.splitext(args.out)[0] + ".png", f"{model}, CPU harness,")
     return 0
 
 

@@ -565,9 +565,6 @@ def synthetic_label_config(model_path: str, channels: int, out_dir: str,
     payload: dict[str, Any] = {
         "format": FORMAT, "label_channels": channels,
         "model": {"num_layers": layers, "num_kv_heads": kv_heads, "head_dim": head_dim},
-        "calibration": {"synthetic": "random channels for dummy weights (timing only)"},
-        "channels": [[sorted(rng.sample(range(head_dim), channels)) for _ in range(kv_heads)]
-                     for _ in range(layers)],
     }
     name = f"labels_{os.path.basename(model_path)}_{channels}{'_basis' if basis else ''}"
     path = os.path.join(out_dir, f"{name}.json")
@@ -579,9 +576,14 @@ def synthetic_label_config(model_path: str, channels: int, out_dir: str,
                                                generator=gen)).Q
         payload["calibration"] = {"synthetic": "random orthonormal basis for dummy weights "
                                                "(timing only)"}
+        # with a basis the labels are its leading coordinates
         payload["channels"] = [[list(range(channels))] * kv_heads] * layers
         payload["basis"] = write_label_basis(Path(out_dir) / f"{name}.basis.pt", "kpca",
                                              rotation, rotation)
+    else:
+        payload["calibration"] = {"synthetic": "random channels for dummy weights (timing only)"}
+        payload["channels"] = [[sorted(rng.sample(range(head_dim), channels))
+                                for _ in range(kv_heads)] for _ in range(layers)]
     with open(path, "w") as f:
         f.write(dumps_label_config(payload))
     return path
