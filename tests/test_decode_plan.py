@@ -10,7 +10,8 @@ import inspect
 from pathlib import Path
 import torch
 
-from cpu_backend import cpu_mha_pool, cpu_sparse_backend, decode_bf16_steps
+from cpu_backend import (attention_layer, cpu_mha_pool, cpu_sparse_backend, decode_batch,
+                         decode_bf16_steps)
 from sglang_ext.attention.decode_plan import DecodeFeature
 from sglang_ext.kernels import sparse_decode
 
@@ -83,6 +84,30 @@ def test_a_feature_gets_its_hooks_in_order_and_changes_nothing_it_does_not_touch
     assert recorder.calls == (step + [("end_layers",)]) * 2
     for a, b in zip(want, got):
         assert torch.equal(a, b)
+
+
+def test_every_run_of_one_plan_starts_and_ends_the_step(tmp_path):
+    """SGLang captures a decode CUDA graph by running the step's layers several times from one
+    init_forward_metadata (warm-up runs, then the capture): each run must start and end the
+    step, or the captured graph lacks the features' per-step work (the tier's fence: "capturing
+    stream has unjoined work"; the guard's budgets)."""
+    backend, table = _backend(tmp_path)
+    recorder = Recorder()
+    backend.decoder.features.append(recorder)
+    batch = decode_batch(table, ROWS, [n + 1 for n in LENS])
+    backend.init_forward_metadata(batch)
+    gen = torch.Generator().manual_seed(5)
+    outs = []
+    for _ in range(3):
+        for layer_id in range(LAYERS):
+            q, k, v = (torch.randn(len(ROWS), n * D, generator=gen).to(torch.bfloat16)
+                       for n in (HQ, HKV, HKV))
+            outs.append(backend.forward_decode(q, k.view(-1, HKV, D), v.view(-1, HKV, D),
+                                               attention_layer(layer_id, HQ, HKV, D), batch))
+    step = [("start_layers",)]
+    for i in range(LAYERS):
+        step += [("layer_inputs", i), ("after_layer", i, True)]
+    assert recorder.calls == [("before_batch",)] + (step + [("end_layers",)]) * 3
 
 
 def test_a_feature_may_compute_the_layer_itself(tmp_path):

@@ -337,4 +337,7 @@ class KernelDecodePlan:
         if self._layers_left == 0:
             for feature in self.features:
                 feature.end_layers(self)
+            # SGLang runs a captured step's layers several times from one plan (warm-up runs,
+            # then the capture): each run starts and ends the step, or the graph misses both
+            self._layers_left = self.decoder.ctx.num_layers
         return out

@@ -268,8 +268,10 @@ class ReferenceDecodePlan:
         if self._layers_left < 0:
             self._layers_left = ctx.num_layers
         self._layers_left -= 1
-        if self._layers_left == 0 and self.guards is not None:
-            self.decoder.guard.finish(self.rows, self.guards)
+        if self._layers_left == 0:
+            self._layers_left = -1  # a second run of the plan's layers is a step of its own
+            if self.guards is not None:
+                self.decoder.guard.finish(self.rows, self.guards)
         return out
 
     def batched(self, batched: list[int]) -> tuple[Tensor, BatchedSparseDecode]:
