@@ -12,12 +12,13 @@
 #   A "load":   the CPU tier (async, every page but one homed on the host:
 #               --sparse-tier-gpu-tokens 32, one page),
 #               tier timing and metrics on: most of the requests, ~10 % aborted, shared
-#               prefixes, streaming and not, the bad-input sweep
+#               prefixes, streaming and not
 #   B "twins":  the recommended setting (the kpca label basis, --sparse-rerank 4), no tier, no
 #               guard: a smaller load, then the dense twins (beyond the budget: top-1
 #               agreement; within it: identical outputs), the sweep
-#   G "guard":  the accuracy guard (--sparse-guard-every 8): a short load and the sweep
+#   G "guard":  the accuracy guard (--sparse-guard-every 8): a short load
 #               (skipped when too little time is left)
+# The bad-input sweep (~40 s) goes to phase B's server only; the live faults send their own.
 # then the live faults on a fresh tier server (skipped when too little time is left) and the
 # start-up refusals, which run in the background from the start.
 # Environment: SOAK_REAL_SECONDS (total budget, default 510), SOAK_REAL_A / _B / _G (requests),
@@ -60,7 +61,7 @@ fi
 
 echo "soak-real A (tier) $(date +%T), $(left) s left"
 SGLANG_EXT_TIER_VERIFY=1 timeout $(( $(left) - 150 )) "${SOAK[@]}" --lengths $LENGTHS --requests "${SOAK_REAL_A:-850}" \
-  --time-limit "${SOAK_REAL_A_SECONDS:-140}" --port 30400 --out "$WORK/load.json" --server-log "$WORK/load_server.log" \
+  --time-limit "${SOAK_REAL_A_SECONDS:-140}" --bad-inputs off --port 30400 --out "$WORK/load.json" --server-log "$WORK/load_server.log" \
   --launch "$COMMON $TIER" > "$WORK/load.out" 2>&1 || status=1
 tail -4 "$WORK/load.out"
 
@@ -74,10 +75,10 @@ timeout $(( $(left) - 30 )) "${SOAK[@]}" --lengths $LENGTHS 120:8 --requests "${
 tail -4 "$WORK/twins.out"
 
 phases=(load="$WORK/load.json" twins="$WORK/twins.json")
-if [ "${SOAK_REAL_GUARD:-1}" != 0 ] && [ "$(left)" -gt 200 ]; then
+if [ "${SOAK_REAL_GUARD:-1}" != 0 ] && [ "$(left)" -gt 150 ]; then
   echo "soak-real G (guard) $(date +%T), $(left) s left"
-  timeout $(( $(left) - 100 )) "${SOAK[@]}" --lengths $LENGTHS --requests "${SOAK_REAL_G:-150}" \
-    --time-limit 30 \
+  timeout $(( $(left) - 70 )) "${SOAK[@]}" --lengths $LENGTHS --requests "${SOAK_REAL_G:-150}" \
+    --time-limit 30 --bad-inputs off \
     --port 30402 --out "$WORK/guard.json" --server-log "$WORK/guard_server.log" \
     --launch "$COMMON --sparse-guard-every 8" > "$WORK/guard.out" 2>&1 || status=1
   tail -4 "$WORK/guard.out"
@@ -96,7 +97,7 @@ with --sparse-tier or --sparse-guard-every on the Triton path, and the guard on 
 because it does not combine with the tier. Fault table: faults_h200.json." || status=1
 
 # the live faults on a fresh tier server, when the budget allows (~90 s: start, faults, drain)
-if [ "${FAULTS_LIVE:-1}" != 0 ] && [ "$(left)" -gt 100 ]; then
+if [ "${FAULTS_LIVE:-1}" != 0 ] && [ "$(left)" -gt 70 ]; then
   echo "faults (live) $(date +%T), $(left) s left"
   timeout $(( $(left) - 5 )) python3 benchmarks/faults.py --no-startup-refusals --port 30403 \
     --out "$WORK/faults_live.json" --server-log "$WORK/faults_server.log" \
