@@ -75,9 +75,11 @@ timeout $(( $(left) - 30 )) "${SOAK[@]}" --lengths $LENGTHS 120:8 --requests "${
 tail -4 "$WORK/twins.out"
 
 phases=(load="$WORK/load.json" twins="$WORK/twins.json")
-if [ "${SOAK_REAL_GUARD:-1}" != 0 ] && [ "$(left)" -gt 150 ]; then
+# what phase G leaves for the live faults after it (~70 s), and G's own need (~80 s)
+G_RESERVE=$([ "${FAULTS_LIVE:-1}" != 0 ] && echo 70 || echo 10)
+if [ "${SOAK_REAL_GUARD:-1}" != 0 ] && [ "$(left)" -gt $(( G_RESERVE + 80 )) ]; then
   echo "soak-real G (guard) $(date +%T), $(left) s left"
-  timeout $(( $(left) - 70 )) "${SOAK[@]}" --lengths $LENGTHS --requests "${SOAK_REAL_G:-150}" \
+  timeout $(( $(left) - G_RESERVE )) "${SOAK[@]}" --lengths $LENGTHS --requests "${SOAK_REAL_G:-150}" \
     --time-limit 30 --bad-inputs off \
     --port 30402 --out "$WORK/guard.json" --server-log "$WORK/guard_server.log" \
     --launch "$COMMON --sparse-guard-every 8" > "$WORK/guard.out" 2>&1 || status=1
