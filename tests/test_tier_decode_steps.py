@@ -191,6 +191,27 @@ class Run:
         self.pool.check_idle()
 
 
+def test_the_mapping_check_finds_a_device_copy_that_differs_from_its_home() -> None:
+    """SGLANG_EXT_TIER_VERIFY=2's check (verify_mappings, which the serving tests run at every
+    step): one changed value of one mapped block's device copy, in any layer, is reported."""
+    ps, sink, window = SMALL.page_size, SMALL.sink, SMALL.window
+    params = SelectionParams("two_level", 96, ps, dense_middle_blocks(96, sink, window, ps),
+                             sink, window)
+    run = Run(params, "sync", prompt_lens=[44, 30], steps=2)
+    run.prefill()
+    run.decode_step()
+    pool, r2t = run.pool, run.req_to_token
+    seq_lens = [n + 1 for n in run.lens]
+    pool.verify_mappings(r2t, run.rows, seq_lens)  # intact: nothing to report
+    layer, head = SMALL.layers - 1, SMALL.kv_heads - 1
+    maps = pool.tier.page_maps[run.rows[1], layer, head]
+    block = int((maps >= 0).nonzero()[0])
+    row_of_token = int(maps[block]) * ps + 1
+    pool.tier_buffers(layer)[1][row_of_token, head] += 1.0  # a value, not a key
+    with pytest.raises(AssertionError, match=f"block {block} layer {layer} head {head}"):
+        pool.verify_mappings(r2t, run.rows, seq_lens)
+
+
 @pytest.mark.parametrize("mode", ["async", "sync"])
 @pytest.mark.parametrize("method", ["two_level", "quest"])
 @pytest.mark.parametrize("lens, steps", [([68, 23], 14), ([92, 40], 4)])

@@ -851,29 +851,36 @@ class TieredPool:
             raise AssertionError("sglang_ext tier leak: mappings left with no request")
 
     def verify_mappings(self, req_to_token: Tensor, rows: list[int], seq_lens: list[int]) -> None:
-        """Debug check (SGLANG_EXT_TIER_VERIFY=2, slow): every mapped block's device copy equals
-        its home copy for the tokens already written, every layer and kv head."""
+        """Debug check (SGLANG_EXT_TIER_VERIFY=2): every mapped block's device copy equals its
+        home copy for the tokens already written, every layer and kv head (one gather per row
+        and layer, so that tests can afford it at every step)."""
         ps = self.layout.page_size
         pm = self.tier.page_maps
         for row, seq_len in zip(rows, seq_lens):
             written = seq_len - 1
-            for j in range(-(-written // ps)):
-                n = min(ps, written - j * ps)
-                slots = req_to_token[row, j * ps:j * ps + n]
-                for layer in range(self.layer_num):
-                    home = [as_stored(x, self.store_dtype)
-                            for x in self.gather_tokens(layer + self.start_layer, slots)]
-                    k_dev, v_dev = self.tier_buffers(layer)
-                    device = (k_dev, self.values_of(k_dev) if v_dev is None else v_dev)
-                    for h in range(self.tier_heads):
-                        page = int(pm[row, layer, h, j])
-                        if page < 0:
-                            continue
-                        if not all(torch.equal(dev[page * ps:page * ps + n, h], x[:, h])
-                                   for dev, x in zip(device, home)):
+            if written <= 0:
+                continue
+            slots = req_to_token[row, :written]
+            token = torch.arange(written, device=pm.device)
+            block = token // ps
+            for layer in range(self.layer_num):
+                home = [as_stored(x, self.store_dtype)
+                        for x in self.gather_tokens(layer + self.start_layer, slots)]
+                k_dev, v_dev = self.tier_buffers(layer)
+                device = (k_dev, self.values_of(k_dev) if v_dev is None else v_dev)
+                for h in range(self.tier_heads):
+                    page = pm[row, layer, h, block].long()  # each token's block's device page
+                    mapped = page >= 0
+                    dev_rows = (page * ps + token % ps)[mapped]
+                    for dev, x in zip(device, home):
+                        same = (dev[dev_rows.to(dev.device), h] == x[mapped.to(x.device), h])
+                        same = same.reshape(same.shape[0], -1).all(-1)
+                        if not bool(same.all()):
+                            bad = int(token[mapped][~same.to(token.device)][0])
                             raise AssertionError(
-                                f"sglang_ext tier: row {row} block {j} layer {layer} head {h} "
-                                f"(device page {page}) differs from its home copy")
+                                f"sglang_ext tier: row {row} block {bad // ps} layer {layer} "
+                                f"head {h} (device page {int(pm[row, layer, h, bad // ps])}) "
+                                f"differs from its home copy")
 
     # -------------------------------------------------------------- telemetry
 
