@@ -52,17 +52,23 @@ def answer_positions(tokenizer: Any, sample: T.Sample) -> list[int]:
             if any(a < end and b > start for start, end in spans)]
 
 
+@dataclasses.dataclass
+class LabelView:
+    """Selections that score with one label file: its channels (None: all) and basis, if any."""
+    channels: Optional[Tensor]
+    basis: Optional[QKBasis]
+    settings: dict[str, SelectionParams]
+
+
 class NeedleRecallAttention:
     """Dense attention everywhere (the model's outputs stay dense); at a decode step it also
-    adds, per selection, the dense mass on ``positions`` that the selection keeps."""
+    adds, per selection, the dense mass on ``positions`` that the selection keeps. Several
+    label views share one pass of the model (the same samples, one prefill each)."""
 
-    def __init__(self, channels: Optional[Tensor], settings: dict[str, SelectionParams],
-                 basis: Optional[QKBasis] = None):
-        self.channels = channels
-        self.settings = settings
-        self.basis = basis  # the label basis: selections see q and k as the server does
+    def __init__(self, views: list[LabelView]):
+        self.views = views
         self.positions: Optional[Tensor] = None
-        self.kept = dict.fromkeys(settings, 0.0)
+        self.kept = {name: 0.0 for view in views for name in view.settings}
         self.total = 0.0
 
     def __call__(self, module: Any, query: Tensor, key: Tensor, value: Tensor,
@@ -82,14 +88,16 @@ class NeedleRecallAttention:
                 * scaling, dim=-1)  # [Hq, L]
             needle = probs[:, self.positions]  # [Hq, n]
             self.total += float(needle.sum())
-            channels = None if self.channels is None else self.channels[module.layer_idx]
-            if self.basis is not None:  # the dense mass above is the same in the basis
-                q, keys = self.basis.rotate(module.layer_idx, q[None], keys)
-                q = q[0]
-            for name, params in self.settings.items():
-                mask = select_token_mask(q, keys, params, channels)  # [Hkv, L]
-                kept = mask.repeat_interleave(group, 0)[:, self.positions]
-                self.kept[name] += float((needle * kept).sum())
+            for view in self.views:
+                channels = None if view.channels is None else view.channels[module.layer_idx]
+                vq, vkeys = q, keys
+                if view.basis is not None:  # the dense mass above is the same in the basis
+                    vq, vkeys = view.basis.rotate(module.layer_idx, q[None], keys)
+                    vq = vq[0]
+                for name, params in view.settings.items():
+                    mask = select_token_mask(vq, vkeys, params, channels)  # [Hkv, L]
+                    kept = mask.repeat_interleave(group, 0)[:, self.positions]
+                    self.kept[name] += float((needle * kept).sum())
         return out
 
 
@@ -115,10 +123,14 @@ def recommended_params(context: int, budget_share: int, block_size: int,
 @torch.inference_mode()
 def needle_recall(model_dir: str, settings: dict[str, SelectionParams], tasks: Sequence[str],
                   context: int, samples: int, label_channels: int = 16,
-                  progress: bool = True, label_config: Optional[str] = None) -> dict[str, float]:
+                  progress: bool = True, label_config: Optional[str] = None,
+                  more_labels: Optional[dict[str, dict[str, SelectionParams]]] = None,
+                  ) -> dict[str, float]:
     """Recall of each setting over the samples (1.0 = every needle token's mass kept).
     ``label_config``: the label file (default: the model's ``sparse_labels.json``); one with a
-    label basis (``calibrate --basis``) has the selections score rotated queries and keys."""
+    label basis (``calibrate --basis``) has the selections score rotated queries and keys.
+    ``more_labels``: other label files, each with its own settings (names unique over all),
+    measured in the same pass over the same samples."""
     from transformers import AttentionInterface, AutoModelForCausalLM
 
     from sglang_ext.selection.calibrate import load_label_basis, load_label_config
@@ -127,11 +139,18 @@ def needle_recall(model_dir: str, settings: dict[str, SelectionParams], tasks: S
         cfg = json.load(f)
     shape = dict(num_layers=cfg["num_hidden_layers"], num_kv_heads=cfg["num_key_value_heads"],
                  head_dim=cfg["head_dim"])
-    label_config = label_config or os.path.join(model_dir, "sparse_labels.json")
-    channels = load_label_config(label_config, **shape)[..., :label_channels]
-    basis = load_label_basis(label_config, **shape)
-    hook = NeedleRecallAttention(channels, settings,
-                                 None if basis is None else QKBasis(*basis, "cpu"))
+
+    def view(path: str, view_settings: dict[str, SelectionParams]) -> LabelView:
+        basis = load_label_basis(path, **shape)
+        return LabelView(load_label_config(path, **shape)[..., :label_channels],
+                         None if basis is None else QKBasis(*basis, "cpu"), view_settings)
+
+    views = [view(label_config or os.path.join(model_dir, "sparse_labels.json"), settings)]
+    views += [view(path, more) for path, more in (more_labels or {}).items()]
+    names = [name for v in views for name in v.settings]
+    if len(set(names)) != len(names):
+        raise ValueError(f"setting names repeat across label files: {names}")
+    hook = NeedleRecallAttention(views)
     AttentionInterface.register(ATTN_NAME, hook)
     tokenizer = T.load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
@@ -147,7 +166,7 @@ def needle_recall(model_dir: str, settings: dict[str, SelectionParams], tasks: S
         hook.positions = torch.tensor(answer_positions(tokenizer, sample))
         model(input_ids=out.logits[:, -1].argmax(-1, keepdim=True), past_key_values=cache,
               use_cache=True)
-    return {name: hook.kept[name] / max(hook.total, 1e-30) for name in settings}
+    return {name: kept / max(hook.total, 1e-30) for name, kept in hook.kept.items()}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

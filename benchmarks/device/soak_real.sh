@@ -22,9 +22,10 @@
 # then the live faults on a fresh tier server (skipped when too little time is left) and the
 # start-up refusals, which run in the background from the start.
 # Environment: SOAK_REAL_SECONDS (total budget, default 510), SOAK_REAL_A / _B / _G (requests),
-# SOAK_REAL_A_SECONDS / _B_SECONDS (how long each phase sends requests: one not started by then
+# SOAK_REAL_A_RESERVE (what phase A leaves to the rest, 150 s), SOAK_REAL_A_SECONDS / _B_SECONDS
+# (how long each phase sends requests: one not started by then
 # counts as a failure),
-# SOAK_REAL_GUARD=0 (no phase G), FAULTS_LIVE=0 (no live faults), FAULTS_REFUSALS=0 (none).
+# SOAK_REAL_TWINS=0 (no phase B), SOAK_REAL_GUARD=0 (no phase G), FAULTS_LIVE=0 (no live faults), FAULTS_REFUSALS=0 (none).
 set -uo pipefail
 OUT=${OUT:?OUT}
 MODEL=${SOAK_REAL_MODEL:-/tmp/smollm2}
@@ -60,21 +61,25 @@ if [ "${FAULTS_REFUSALS:-1}" != 0 ]; then
 fi
 
 echo "soak-real A (tier) $(date +%T), $(left) s left"
-SGLANG_EXT_TIER_VERIFY=1 timeout $(( $(left) - 150 )) "${SOAK[@]}" --lengths $LENGTHS --requests "${SOAK_REAL_A:-850}" \
+SGLANG_EXT_TIER_VERIFY=1 timeout $(( $(left) - ${SOAK_REAL_A_RESERVE:-150} )) "${SOAK[@]}" --lengths $LENGTHS --requests "${SOAK_REAL_A:-850}" \
   --time-limit "${SOAK_REAL_A_SECONDS:-140}" --bad-inputs off --port 30400 --out "$WORK/load.json" --server-log "$WORK/load_server.log" \
   --launch "$COMMON $TIER" > "$WORK/load.out" 2>&1 || status=1
 tail -4 "$WORK/load.out"
 
-echo "soak-real B (twins) $(date +%T), $(left) s left"
-# a few prompts within the budget (prompt + 32 tokens <= 256) for the identical-when-dense twins
-timeout $(( $(left) - 30 )) "${SOAK[@]}" --lengths $LENGTHS 120:8 --requests "${SOAK_REAL_B:-250}" \
-  --time-limit "${SOAK_REAL_B_SECONDS:-$(( $(left) > 260 ? 60 : 30 ))}" --port 30401 \
-  --dense-twins 12 --dense-twins-within 4 --twin-tokens 32 \
-  --out "$WORK/twins.json" --server-log "$WORK/twins_server.log" \
-  --launch "$FAITHFUL" > "$WORK/twins.out" 2>&1 || status=1
-tail -4 "$WORK/twins.out"
-
-phases=(load="$WORK/load.json" twins="$WORK/twins.json")
+phases=(load="$WORK/load.json")
+if [ "${SOAK_REAL_TWINS:-1}" != 0 ]; then
+  echo "soak-real B (twins) $(date +%T), $(left) s left"
+  # a few prompts within the budget (prompt + 32 tokens <= 256) for the identical-when-dense twins
+  timeout $(( $(left) - 30 )) "${SOAK[@]}" --lengths $LENGTHS 120:8 --requests "${SOAK_REAL_B:-250}" \
+    --time-limit "${SOAK_REAL_B_SECONDS:-$(( $(left) > 260 ? 60 : 30 ))}" --port 30401 \
+    --dense-twins 12 --dense-twins-within 4 --twin-tokens 32 \
+    --out "$WORK/twins.json" --server-log "$WORK/twins_server.log" \
+    --launch "$FAITHFUL" > "$WORK/twins.out" 2>&1 || status=1
+  tail -4 "$WORK/twins.out"
+  phases+=(twins="$WORK/twins.json")
+else
+  echo "soak-real B (twins) skipped"
+fi
 # what phase G leaves for the live faults after it (~70 s), and G's own need (~80 s)
 G_RESERVE=$([ "${FAULTS_LIVE:-1}" != 0 ] && echo 70 || echo 10)
 if [ "${SOAK_REAL_GUARD:-1}" != 0 ] && [ "$(left)" -gt $(( G_RESERVE + 80 )) ]; then
