@@ -306,6 +306,7 @@ def _force_compatible_settings(server_args: Any, cfg: sparse_config.SparseConfig
                     f"--sparse-block-size {cfg.block_size}; the CPU tier moves whole pages"
                 )
             changes["page_size"] = cfg.block_size
+        _no_prefill_graph_with_tier(server_args, changes)
         if server_args.max_running_requests is None:
             # The tier reserves a working set per running request and keeps per-row page maps:
             # SGLang's default (thousands of rows) would spend the GPU on them.
@@ -313,6 +314,24 @@ def _force_compatible_settings(server_args: Any, cfg: sparse_config.SparseConfig
     if changes:
         logger.info("sglang_ext: overriding %s for sparse decode", changes)
         server_args.override("sglang_ext", **changes)
+
+
+def _no_prefill_graph_with_tier(server_args: Any, changes: dict[str, Any]) -> None:
+    """SGLang captures prefill CUDA graphs (breakable, the CUDA default) by running extend
+    batches of dummy requests through the backend; the tier would take them for real requests
+    (rows with working sets that no request ever frees) and the first real request would wait
+    for space for ever. So with the tier the prefill runs without graphs (decode graphs stay)."""
+    from dataclasses import replace
+
+    graphs = getattr(server_args, "cuda_graph_config", None)
+    if server_args.device == "cpu" or graphs is None or graphs.prefill.backend == "disabled":
+        return
+    if server_args.cuda_graph_backend_prefill not in (None, "disabled"):
+        raise SystemExit(f"sglang_ext: --sparse-tier needs --cuda-graph-backend-prefill disabled "
+                         f"(got {server_args.cuda_graph_backend_prefill})")
+    changes["cuda_graph_config"] = replace(graphs, prefill=replace(graphs.prefill,
+                                                                   backend="disabled"))
+    changes["cuda_graph_backend_prefill"] = "disabled"
 
 
 HOOKS = (

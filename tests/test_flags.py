@@ -327,6 +327,37 @@ def test_what_the_kernel_decode_cannot_do_stops_startup_with_one_line(values, wo
     assert message.startswith("sglang_ext: ") and words in message and "\n" not in message
 
 
+def test_the_tier_turns_the_prefill_cuda_graph_off():
+    """SGLang captures prefill graphs (breakable, CUDA's default) with dummy requests, which the
+    tier would keep as requests (the soak on an H100: the first request waited for ever): with
+    --sparse-tier the prefill runs eagerly, decode graphs stay; a prefill graph backend the user
+    asked for is refused in one line; without the tier nothing changes."""
+    from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig, PhaseConfig
+
+    from sglang_ext.patches.server_args import _force_compatible_settings
+
+    def args(backend_flag=None):
+        a = _cuda_server_args()
+        a.cuda_graph_config = CudaGraphConfig(decode=PhaseConfig(backend="full"),
+                                              prefill=PhaseConfig(backend="breakable"))
+        a.cuda_graph_backend_prefill = backend_flag
+        return a
+
+    tier = build_config(impl="triton", tier="async", budget=256, block_size=16)
+    a = args()
+    _force_compatible_settings(a, tier)
+    assert a.cuda_graph_config.prefill.backend == "disabled"
+    assert a.cuda_graph_config.decode.backend == "full" and not a.disable_cuda_graph
+    untiered = args()
+    _force_compatible_settings(untiered, build_config(impl="triton", budget=256, block_size=16))
+    assert untiered.cuda_graph_config.prefill.backend == "breakable"
+    with pytest.raises(SystemExit) as e:
+        _force_compatible_settings(args("breakable"), tier)
+    message = str(e.value)
+    assert message.startswith("sglang_ext: --sparse-tier needs --cuda-graph-backend-prefill "
+                              "disabled") and "\n" not in message
+
+
 def test_cooperative_needs_eager_decode_on_cuda():
     """--sparse-cooperative waits for the CPU inside each layer: refused under the decode CUDA
     graph in one line, accepted with --disable-cuda-graph and by the reference decode (which
