@@ -287,6 +287,7 @@ def _force_compatible_settings(server_args: Any, cfg: sparse_config.SparseConfig
     if impl == "reference" and not server_args.disable_cuda_graph and server_args.device != "cpu":
         # The reference decode loops over requests on the host: not capturable.
         changes["disable_cuda_graph"] = True
+        changes.update(_graphs_off(server_args, ("decode", "prefill")))
     if impl == "triton" and server_args.page_size != cfg.block_size:
         # Block summaries are kept per KV page, so a block must be exactly one page.
         if server_args.page_size not in (None, 1):
@@ -316,22 +317,32 @@ def _force_compatible_settings(server_args: Any, cfg: sparse_config.SparseConfig
         server_args.override("sglang_ext", **changes)
 
 
+def _graphs_off(server_args: Any, phases: tuple[str, ...]) -> dict[str, Any]:
+    """The overrides that turn SGLang's CUDA graphs off for ``phases`` (decode, prefill): its
+    ``cuda_graph_config``, into which the flags were folded at parse time (a flag set afterwards
+    changes nothing), and the per-phase flags, for the log."""
+    from dataclasses import replace
+
+    graphs = getattr(server_args, "cuda_graph_config", None)
+    if graphs is None:
+        return {}
+    for phase in phases:
+        graphs = replace(graphs, **{phase: replace(getattr(graphs, phase), backend="disabled")})
+    return {"cuda_graph_config": graphs, **{f"cuda_graph_backend_{p}": "disabled" for p in phases}}
+
+
 def _no_prefill_graph_with_tier(server_args: Any, changes: dict[str, Any]) -> None:
     """SGLang captures prefill CUDA graphs (breakable, the CUDA default) by running extend
     batches of dummy requests through the backend; the tier would take them for real requests
     (rows with working sets that no request ever frees) and the first real request would wait
     for space for ever. So with the tier the prefill runs without graphs (decode graphs stay)."""
-    from dataclasses import replace
-
-    graphs = getattr(server_args, "cuda_graph_config", None)
+    graphs = changes.get("cuda_graph_config", getattr(server_args, "cuda_graph_config", None))
     if server_args.device == "cpu" or graphs is None or graphs.prefill.backend == "disabled":
         return
     if server_args.cuda_graph_backend_prefill not in (None, "disabled"):
         raise SystemExit(f"sglang_ext: --sparse-tier needs --cuda-graph-backend-prefill disabled "
                          f"(got {server_args.cuda_graph_backend_prefill})")
-    changes["cuda_graph_config"] = replace(graphs, prefill=replace(graphs.prefill,
-                                                                   backend="disabled"))
-    changes["cuda_graph_backend_prefill"] = "disabled"
+    changes.update(_graphs_off(server_args, ("prefill",)))
 
 
 HOOKS = (

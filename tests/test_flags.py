@@ -379,6 +379,24 @@ def test_cooperative_needs_eager_decode_on_cuda():
     assert reference.disable_cuda_graph
 
 
+def test_the_reference_decode_turns_sglangs_graphs_off():
+    """SGLang 0.5.16 folds its graph flags into cuda_graph_config at parse time and captures by
+    that config: the reference decode (a host loop, not capturable) on a CUDA device turns both
+    phases off there, not only the legacy flag."""
+    from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig, PhaseConfig
+
+    from sglang_ext.patches.server_args import _force_compatible_settings
+
+    args = _cuda_server_args()
+    args.cuda_graph_config = CudaGraphConfig(decode=PhaseConfig(backend="full"),
+                                             prefill=PhaseConfig(backend="breakable"))
+    args.cuda_graph_backend_prefill = None
+    _force_compatible_settings(args, build_config(impl="reference", budget=256))
+    assert args.disable_cuda_graph
+    assert args.cuda_graph_config.decode.backend == args.cuda_graph_config.prefill.backend \
+        == "disabled"
+
+
 def test_cooperative_is_refused_for_mla_models():
     from sglang_ext.selection.mla import mla_unsupported
 
