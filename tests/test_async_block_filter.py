@@ -141,6 +141,11 @@ def _run(device: str, method: str = "two_level", graph: bool = False, impl: str 
             # the last step replays a captured graph (the side stream's fork and join inside)
             next_blocks = backend.decoder.feature(KernelAsyncFilter).filter.next_blocks
             saved = [t.clone() for t in (*pool.k, *pool.v, next_blocks)]
+            # SGLang's capture: warm-up runs, then the capture, all from one plan (each run
+            # must start and end the step, or the graph misses the side stream's join)
+            forward()
+            for t, s in zip((*pool.k, *pool.v, next_blocks), saved):
+                t.copy_(s)
             torch.cuda.synchronize()
             captured = torch.cuda.CUDAGraph()
             with torch.cuda.graph(captured):
