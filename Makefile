@@ -68,7 +68,7 @@ serve: setup ## an SGLang server with our backend on PORT (SERVE_ARGS: more flag
 	    --sparse-label-config $(LABELS) --max-total-tokens 16384 --sleep-on-idle $(SERVE_ARGS); \
 	fi
 
-test: setup ## the test suite (PYTEST_ARGS: more pytest words; ~26 min on 2 cores)
+test: setup ## the test suite (PYTEST_ARGS: more pytest words; ~40 min on 2 cores)
 	SGLANG_EXT_MODEL_DIR=$(MODEL_DIR) $(PY) -m pytest -ra $(PYTEST_ARGS)
 
 clean: ## remove the venv and the converted model
