@@ -478,8 +478,8 @@ def test_rerank_min_tokens_is_a_floor_under_small_budgets_only():
 
     small = dict(rerank=4, budget=32, sink=4, window=8, block_size=32)
     assert build_config(**small, rerank_min_tokens=0).effective_candidate_blocks == 2 * 4
-    assert build_config(**small).effective_candidate_blocks == 2 * 256 // 32  # the default 256
-    assert shortlist_tokens(parse_override(None, build_config(**small))) == 256
+    assert build_config(**small).effective_candidate_blocks == 2 * 1024 // 32  # the default 1024
+    assert shortlist_tokens(parse_override(None, build_config(**small))) == 1024
     assert shortlist_tokens(parse_override(None, build_config(**small, rerank_min_tokens=0))) == 80
     big = build_config(rerank=4)
     assert big.effective_candidate_blocks == build_config(rerank=4, rerank_min_tokens=0) \

@@ -70,6 +70,14 @@ VARIANTS = {
     "ds_rerank4": {"method": "ds", "head_policy": False, "rerank": 4},
     "two_level_rerank2": {"method": "two_level", "head_policy": False, "rerank": 2},
     "two_level_rerank4": {"method": "two_level", "head_policy": False, "rerank": 4},
+    # floors under the shortlist (--sparse-rerank-min-tokens, 256 before the default became
+    # 1024): they only reach small budgets (a shortlist of 4 x the middle below the floor)
+    "two_level_rerank4_floor256": {"method": "two_level", "head_policy": False, "rerank": 4,
+                                   "rerank_min_tokens": 256},
+    "two_level_rerank4_floor512": {"method": "two_level", "head_policy": False, "rerank": 4,
+                                   "rerank_min_tokens": 512},
+    "two_level_rerank4_floor1024": {"method": "two_level", "head_policy": False, "rerank": 4,
+                                    "rerank_min_tokens": 1024},
     # its control: the filter of a plain two_level, too narrow for the shortlist
     "two_level_rerank4_narrow": {"method": "two_level", "head_policy": False, "rerank": 4,
                                  FILTER_SCALE: 1.0},
@@ -612,7 +620,10 @@ def render_plot(doc: dict, path: str) -> None:
               "two_level_async_wide": "darkgoldenrod", "two_level_wide": "darkgreen",
               "two_level_bound": "lime", "ds_rerank4": "navajowhite",
               "two_level_rerank2": "mediumseagreen", "two_level_rerank4": "seagreen",
-              "two_level_rerank4_narrow": "darkseagreen", "two_level_prefilter4": "teal",
+              "two_level_rerank4_narrow": "darkseagreen",
+              "two_level_rerank4_floor256": "yellowgreen",
+              "two_level_rerank4_floor512": "olivedrab",
+              "two_level_rerank4_floor1024": "darkolivegreen", "two_level_prefilter4": "teal",
               "two_level_prefilter4_rerank4": "darkslategray",
               "two_level_prefilter2_rerank4": "slategray"}
 
