@@ -180,6 +180,20 @@ def _check_pair(host: Tensor, dev: Tensor, name: str) -> None:
                              "(see pinned_empty)")
 
 
+def check_transfer_list(heads: Tensor, src_pages: Tensor, dst_pages: Tensor) -> None:
+    """The kernel reads entry ``i`` of each list at ``base + i``: each must be int32 with
+    consecutive elements (a strided view, such as one kv head column of a page map, would be
+    read at the wrong entries and could send a copy to page -1), all of one length."""
+    n = heads.numel()
+    for name, t in (("heads", heads), ("src_pages", src_pages), ("dst_pages", dst_pages)):
+        if t.numel() != n:
+            raise ValueError("heads, src_pages and dst_pages must have the same length")
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {t.dtype}")
+        if n > 1 and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (got strides {t.stride()})")
+
+
 def gather_host_blocks(
     host: Tensor,
     dev: Tensor,
@@ -215,9 +229,8 @@ def gather_host_blocks(
         _check_pair(host_v, dev_v, "V")
         if host_v.shape != host.shape or dev_v.shape != dev.shape or host_v.dtype != host.dtype:
             raise ValueError("K and V must have the same shapes and dtype")
+    check_transfer_list(heads, src_pages, dst_pages)
     n = heads.numel()
-    if src_pages.numel() != n or dst_pages.numel() != n:
-        raise ValueError("heads, src_pages and dst_pages must have the same length")
     if page_size < 1 or runs_per_program < 1 or runs_per_program & (runs_per_program - 1):
         raise ValueError("page_size >= 1 and a power-of-two runs_per_program are required")
     if n == 0:

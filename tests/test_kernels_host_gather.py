@@ -154,6 +154,13 @@ def test_rejects_bad_arguments():
         gather_host_blocks(host, dev, idx, idx, idx, 4, host_v=host)  # V without dev_v
     with pytest.raises(ValueError):
         gather_host_blocks(host, dev, idx, idx, idx, 4, runs_per_program=3)
+    # The radix dedup's re-point once passed one kv head column of a page map (a strided view):
+    # the kernel read the wrong entries and copied to page -1 (an illegal address on the GPU).
+    column = torch.zeros(4, 3, dtype=torch.int32, device=DEVICE)[:, 0]
+    with pytest.raises(ValueError, match="contiguous"):
+        gather_host_blocks(host, dev, column, column, column, 4)
+    with pytest.raises(ValueError, match="int32"):
+        gather_host_blocks(host, dev, idx, idx.long(), idx, 4)
 
 
 @gpu

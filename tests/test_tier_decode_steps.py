@@ -306,17 +306,32 @@ def test_radix_dedup_repoints_a_prefilled_rows_blocks(when: str) -> None:
     ring pages and working-set slots) must take the held pages' KV and nothing may stay
     translated to the freed pages. A soak run on the CPU found the ring copy of such a block
     differing from its home (SGLANG_EXT_TIER_VERIFY=2) and the freed page still translated."""
-    ps, sink, window = SMALL.page_size, SMALL.sink, SMALL.window
-    params = SelectionParams("two_level", 96, ps, dense_middle_blocks(96, sink, window, ps),
-                             sink, window)
-    run = Run(params, "sync", prompt_lens=[44, 30], steps=6)
+    _check_radix_dedup(when, SMALL, "sync", 96, prompt_lens=[44, 30], blocks=[7, 8, 9, 10])
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_radix_dedup_after_start_decoding_under_async() -> None:
+    """The same on the GPU at served shapes under the async schedule (the real gather kernel):
+    the soak on real weights crashed here with an illegal memory access when the re-point
+    handed the gather a strided column of the page map."""
+    _check_radix_dedup("after_start_decoding", SERVER_GPU, "async", 768, prompt_lens=[704, 530],
+                       blocks=[38, 39, 40, 41, 42, 43])
+
+
+def _check_radix_dedup(when: str, shape: Shape, mode: str, budget: int, prompt_lens: list[int],
+                       blocks: list[int]) -> None:
+    """``blocks``: consecutive whole blocks of row 1's prompt (the cache dedups whole pages)."""
+    ps, sink, window = shape.page_size, shape.sink, shape.window
+    params = SelectionParams("two_level", budget, ps,
+                             dense_middle_blocks(budget, sink, window, ps), sink, window)
+    run = Run(params, mode, prompt_lens=prompt_lens, steps=6, shape=shape)
     run.prefill()
     pool, row = run.pool, 1
     if when == "after_start_decoding":
         pool.start_decoding(run.req_to_token, row)
-    # the prompt's last blocks (in the window ring) and one before them (a middle block,
-    # preloaded into a working-set slot)
-    blocks = [7, 8, 9, 10]
+    # the prompt's last blocks (in the window ring) and ones before them (middle blocks,
+    # preloaded into working-set slots)
     start, old, new = _held_copies(run, row, blocks)
     pool.repoint_pages(row, start, run.req_to_token, new)
     run.req_to_token[row, start:start + new.numel()] = new  # SGLang's write itself

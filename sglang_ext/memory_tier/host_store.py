@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from sglang_ext.kernels.host_gather import gather_host_blocks, pinned_empty
+from sglang_ext.kernels.host_gather import check_transfer_list, gather_host_blocks, pinned_empty
 from sglang_ext.kernels.host_scatter import scatter_to_host
 
 
@@ -79,6 +79,7 @@ class HostKVStore:
         launch; ``max_programs`` caps the SMs the copy occupies (to leave the rest to kernels
         running beside it). Without a stored V, ``v_buffer`` (a view of ``k_buffer``'s rows
         for an MLA pool) is ignored: copying K's rows filled it."""
+        check_transfer_list(heads, src_pages, dst_pages)  # both paths: CPU tests see GPU rules
         if k_buffer.device.type == "cpu":
             keep = src_pages >= 0
             h, s, d = heads[keep].long(), src_pages[keep].long(), dst_pages[keep].long()

@@ -756,7 +756,8 @@ class TieredPool:
         # unmapped one, -1, is skipped by the gather).
         heads = torch.arange(pm.shape[1], dtype=torch.int32, device=self.device)
         for layer in range(pm.shape[0]):
-            dst = pm[layer].to(torch.int32)
+            # one column of the page map (stride max_blocks): the gather wants consecutive entries
+            dst = pm[layer].contiguous()
             src = torch.where(dst >= 0, new_lp - gp, -1).to(torch.int32)
             self.host.load(layer, heads, src, dst, *self.tier_buffers(layer))
         if own is not None:
