@@ -678,9 +678,11 @@ def _with_contiguous_channels(cache: LayerCache, device: torch.device) -> LayerC
 def _check_inputs(params: SelectionParams, reranked: SelectionParams, ws: SparseDecodeWorkspace,
                   inputs: SelectionInputs, batch: int, num_kv_heads: int) -> None:
     """One line for each combination the pipeline does not run."""
-    if reranked.rerank and not inputs.is_plain():
-        raise ValueError("the exact rerank does not combine with the tier, the locality "
-                         "constraint, per-request top-k sizes or given candidates")
+    # The tier's inputs combine: the shortlist's slots are device rows through the page map.
+    if reranked.rerank and not replace(inputs, page_map=None, on_blocks=None,
+                                       attend_blocks=None).is_plain():
+        raise ValueError("the exact rerank does not combine with the locality constraint, "
+                         "per-request top-k sizes, given candidates or cooperative attention")
     if (inputs.locality is not None) != bool(params.locality_blocks):
         raise ValueError("the locality state goes with params.locality_blocks > 0 (and only)")
     if inputs.locality is not None and inputs.row_ks is not None:

@@ -362,10 +362,10 @@ def _validate_rerank(cfg: SparseConfig, fail: Callable[[str, str], None]) -> Non
     if cfg.rerank and (cfg.method not in ("ds", "two_level") or cfg.scoring != "score"):
         fail("rerank", "reranks label scores: it needs --sparse-method ds or two_level with "
              "--sparse-scoring score")
-    if cfg.rerank and (cfg.tier != "off" or cfg.locality_blocks or cfg.guard_every
-                       or cfg.block_filter != "sync"):
-        fail("rerank", "does not combine with --sparse-tier, --sparse-locality-blocks, "
-             "--sparse-guard-every or --sparse-block-filter async yet")
+    if cfg.rerank and (cfg.locality_blocks or cfg.guard_every or cfg.block_filter != "sync"
+                       or cfg.cooperative == "on"):
+        fail("rerank", "does not combine with --sparse-locality-blocks, --sparse-guard-every, "
+             "--sparse-block-filter async or --sparse-cooperative yet")
 
 
 def _validate_prefilter(cfg: SparseConfig, fail: Callable[[str, str], None]) -> None:

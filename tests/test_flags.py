@@ -60,7 +60,8 @@ from server_utils import LABELS, LABELS_BASIS, free_port, launch_command, server
         ({"rerank": -2}, "--sparse-rerank"),
         ({"rerank": 4, "method": "quest"}, "--sparse-rerank"),  # quest scores no tokens
         ({"rerank": 4, "scoring": "output_aware"}, "--sparse-rerank"),
-        ({"rerank": 4, "tier": "sync"}, "--sparse-rerank"),
+        ({"rerank": 4, "guard_every": 8}, "--sparse-rerank"),
+        ({"rerank": 4, "tier": "sync", "cooperative": "on"}, "--sparse-rerank"),
     ],
 )
 def test_invalid_values_name_the_flag(values, flag):

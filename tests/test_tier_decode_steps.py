@@ -344,6 +344,25 @@ def _check_radix_dedup(when: str, shape: Shape, mode: str, budget: int, prompt_l
     run.finish()
 
 
+@pytest.mark.parametrize("mode, budget", [("sync", 24), ("async", 96)])
+def test_the_exact_rerank_under_the_tier_equals_the_untiered_rerank(mode: str, budget: int) -> None:
+    """``--sparse-rerank`` under the tier: the shortlist's slots are device rows through the page
+    map, which the rerank reads exactly as the untiered path reads the pool (under ``sync`` at a
+    small budget; under ``async``, which attends the previous step's blocks, at a budget >= the
+    context)."""
+    ps, sink, window = SMALL.page_size, SMALL.sink, SMALL.window
+    candidates = 6 if mode == "sync" else dense_middle_blocks(budget, sink, window, ps)
+    params = SelectionParams("two_level", budget, ps, candidates, sink, window, rerank=2,
+                             rerank_min_tokens=16)
+    run = Run(params, mode, prompt_lens=[45, 30] if mode == "sync" else [68, 23], steps=8)
+    run.prefill()
+    for step in range(run.steps):
+        for layer, (got, want) in enumerate(run.decode_step()):
+            assert torch.equal(got, want), f"{mode}: step {step} layer {layer}"
+    assert run.pool.tier.read_stats()["transferred_blocks"] > 0
+    run.finish()
+
+
 @pytest.mark.parametrize("method, mode, budget", [
     ("two_level", "sync", 24), ("quest", "sync", 24), ("two_level", "async", 96)])
 def test_an_fp8_tier_decodes_what_an_fp8_pool_decodes(method: str, mode: str,
