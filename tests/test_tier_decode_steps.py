@@ -185,6 +185,14 @@ class Run:
     def _locality(self, path: int, layer: int):
         return None if self.locality is None else self.locality[path].layer(layer)
 
+    def decode_all_and_compare(self, label: str) -> None:
+        """Every step, every layer: the tiered decode equals the plain pool's bit for bit; some
+        blocks moved from the host."""
+        for step in range(self.steps):
+            for layer, (got, want) in enumerate(self.decode_step()):
+                assert torch.equal(got, want), f"{label}: step {step} layer {layer}"
+        assert self.pool.tier.read_stats()["transferred_blocks"] > 0
+
     def finish(self) -> None:
         for row in self.rows:
             self.pool.release_row(row, self.req_to_token)
@@ -356,10 +364,7 @@ def test_the_exact_rerank_under_the_tier_equals_the_untiered_rerank(mode: str, b
                              rerank_min_tokens=16)
     run = Run(params, mode, prompt_lens=[45, 30] if mode == "sync" else [68, 23], steps=8)
     run.prefill()
-    for step in range(run.steps):
-        for layer, (got, want) in enumerate(run.decode_step()):
-            assert torch.equal(got, want), f"{mode}: step {step} layer {layer}"
-    assert run.pool.tier.read_stats()["transferred_blocks"] > 0
+    run.decode_all_and_compare(mode)
     run.finish()
 
 
@@ -379,10 +384,7 @@ def test_an_fp8_tier_decodes_what_an_fp8_pool_decodes(method: str, mode: str,
               kv_dtype=FP8)
     assert run.pool.k_buffer[0].dtype == torch.uint8 and run.pool.host.k[0].dtype == FP8
     run.prefill()
-    for step in range(run.steps):
-        for layer, (got, want) in enumerate(run.decode_step()):
-            assert torch.equal(got, want), f"{mode} {method}: step {step} layer {layer}"
-    assert run.pool.tier.read_stats()["transferred_blocks"] > 0
+    run.decode_all_and_compare(f"{mode} {method}")
     run.finish()
 
 
