@@ -79,8 +79,8 @@ class HostKVStore:
         launch; ``max_programs`` caps the SMs the copy occupies (to leave the rest to kernels
         running beside it). Without a stored V, ``v_buffer`` (a view of ``k_buffer``'s rows
         for an MLA pool) is ignored: copying K's rows filled it."""
-        check_transfer_list(heads, src_pages, dst_pages)  # both paths: CPU tests see GPU rules
         if k_buffer.device.type == "cpu":
+            check_transfer_list(heads, src_pages, dst_pages)  # the kernel's rules on CPU too
             keep = src_pages >= 0
             h, s, d = heads[keep].long(), src_pages[keep].long(), dst_pages[keep].long()
             offs = torch.arange(self.page_size)

@@ -755,11 +755,11 @@ class TieredPool:
         # Every mapped copy, per (layer, kv head), reloads from the held page's home (an
         # unmapped one, -1, is skipped by the gather).
         heads = torch.arange(pm.shape[1], dtype=torch.int32, device=self.device)
+        # pm is a column of the page maps (stride max_blocks): the gather wants consecutive entries
+        dsts = pm.contiguous()
+        srcs = torch.where(dsts >= 0, new_lp - gp, -1).to(torch.int32)
         for layer in range(pm.shape[0]):
-            # one column of the page map (stride max_blocks): the gather wants consecutive entries
-            dst = pm[layer].contiguous()
-            src = torch.where(dst >= 0, new_lp - gp, -1).to(torch.int32)
-            self.host.load(layer, heads, src, dst, *self.tier_buffers(layer))
+            self.host.load(layer, heads, srcs[layer], dsts[layer], *self.tier_buffers(layer))
         if own is not None:
             self.dev_page_of_lp[new_lp] = own
 
