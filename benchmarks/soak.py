@@ -63,7 +63,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import requests
 
@@ -224,8 +224,17 @@ def draw_length(rng: random.Random, lengths: list[tuple[int, float]]) -> int:
     return rng.choices([n for n, _ in lengths], weights=[w for _, w in lengths])[0]
 
 
-def make_prompt(lines: list[str], rng: random.Random, approx_tokens: int) -> str:
-    """~``approx_tokens`` tokens (4 characters each, roughly) of consecutive docstring lines."""
+PROMPT_TAIL = "\n\nSummarize the text above."
+
+
+# room left in the context for a shared prompt's added question ("And in one word, question N?")
+SHARED_QUESTION_TOKENS = 16
+
+
+def make_prompt(lines: list[str], rng: random.Random, approx_tokens: int,
+                fit: Optional[Callable[[list[str]], list[str]]] = None) -> str:
+    """~``approx_tokens`` tokens (4 characters each, roughly) of consecutive docstring lines;
+    ``fit`` (``PromptFitter.fit``) cuts them to what the server's context holds."""
     start = rng.randrange(0, len(lines) - 1)
     out, size = [], 0
     i = start
@@ -233,7 +242,43 @@ def make_prompt(lines: list[str], rng: random.Random, approx_tokens: int) -> str
         out.append(lines[i % len(lines)])
         size += len(out[-1]) + 1
         i += 1
-    return "\n".join(out) + "\n\nSummarize the text above."
+    if fit is not None:
+        out = fit(out)
+    return "\n".join(out) + PROMPT_TAIL
+
+
+class PromptFitter:
+    """Keeps a drawn prompt within ``max_tokens`` as the server counts them (``/tokenize``).
+    Four characters a token is only an average: on code-heavy docstrings a 7,000-token draw
+    reached 8,282 tokens, which an 8k-context server refuses (HTTP 400) - a driver error, not
+    the server's."""
+
+    def __init__(self, url: str, max_tokens: int) -> None:
+        self.url, self.max_tokens = url, max_tokens
+
+    def count(self, text: str) -> int:
+        r = requests.post(self.url + "/tokenize", json={"prompt": text}, timeout=60)
+        r.raise_for_status()
+        return int(r.json()["count"])
+
+    def fit(self, prompt_lines: list[str]) -> list[str]:
+        while len(prompt_lines) > 1:
+            tokens = self.count("\n".join(prompt_lines) + PROMPT_TAIL)
+            if tokens <= self.max_tokens:
+                break
+            # drop lines in proportion to the excess (2 % more, so it converges in a step or two)
+            keep = int(len(prompt_lines) * self.max_tokens / tokens * 0.98)
+            prompt_lines = prompt_lines[:max(1, min(keep, len(prompt_lines) - 1))]
+        return prompt_lines
+
+
+def prompt_fitter(url: str, facts: dict[str, Any], max_new_tokens: int) -> Optional[PromptFitter]:
+    """A fitter for the server's context (its ``context_len`` fact), leaving room for the
+    answer and for a shared prompt's added question; None when the context is unknown."""
+    context_len = facts.get("context_len")
+    if not context_len:
+        return None
+    return PromptFitter(url, int(context_len) - max_new_tokens - SHARED_QUESTION_TOKENS)
 
 
 def _stream(url: str, payload: dict, out: Outcome, stop_after: Optional[int]) -> None:
@@ -843,7 +888,10 @@ def soak(url: str, args: argparse.Namespace, lines: list[str],
         phase_start = time.time()
 
     # The reference prompts, alone on the idle server first.
-    ref_prompts = [make_prompt(lines, rng, draw_length(rng, args.lengths)) for _ in range(args.reference)]
+    fitter = prompt_fitter(url, server_facts(url), args.max_new_tokens)
+    fit = fitter.fit if fitter is not None else None
+    ref_prompts = [make_prompt(lines, rng, draw_length(rng, args.lengths), fit)
+                   for _ in range(args.reference)]
     references = [reference_run(url, p, args.max_new_tokens) for p in ref_prompts] \
         + [reply for _, reply in dense_refs]
     fixed = [("reference", p) for p in ref_prompts] + [("dense-reference", p) for p, _ in dense_refs]
@@ -869,7 +917,7 @@ def soak(url: str, args: argparse.Namespace, lines: list[str],
         if kind == "shared":
             prompt = rng.choice(earlier) + f"\nAnd in one word, question {i}?"
         else:
-            prompt = make_prompt(lines, rng, draw_length(rng, args.lengths))
+            prompt = make_prompt(lines, rng, draw_length(rng, args.lengths), fit)
             earlier.append(prompt)
         plan.append((kind, prompt))
     rng.shuffle(plan)

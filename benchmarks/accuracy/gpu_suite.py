@@ -128,7 +128,9 @@ def combine(paths: Sequence[str], out: str) -> dict:
                          **{k: r.get(k) for k in ("method", "context", "budget", "task",
                                                   "score", "n", "ci_low", "ci_high",
                                                   "dense_score")}})
-    doc = {"model": "SmolLM2-135M-Instruct", "configs": configs, "rows": rows}
+    from benchmarks.results_io import gpu_name
+
+    doc = {"model": "SmolLM2-135M-Instruct", "gpu": gpu_name(), "configs": configs, "rows": rows}
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
