@@ -415,8 +415,9 @@ class SelectionInputs:
       are skipped); ``on_blocks(blocks)`` is called with the block filter's result
       ``[B, Hkv, k]`` before the token stage (to fetch or prefetch those blocks);
       ``attend_blocks`` replaces that result for the rest of the step (the blocks chosen at the
-      previous step, already resident: the asynchronous mode). Labels are not read with a page
-      map (the tier addresses resident keys by device page).
+      previous step, already resident: the asynchronous mode). The label cache is indexed by
+      logical slot (it covers host-homed pages), so labels are read through ``req_to_token``
+      and the page map only decides residency and the device slots.
     * the accuracy guard: ``row_ks`` = (per-request k of the block top-k, of the token top-k),
       int32 ``[B]`` each or None, every value at most the workspace's k: a request's smaller
       budget inside a workspace sized for the largest (:mod:`selection.guard`).
@@ -594,10 +595,10 @@ class SparseDecodeWorkspace:
 
 
 def _token_keys(k_buffer: Tensor, labels: Tensor | None, channels: Tensor | None,
-                page_map: Tensor | None, params: SelectionParams) -> tuple[Tensor, bool]:
-    """What token scores read: the label cache when there is one (and no tier page map), else
-    the pool's keys; and whether it is the label cache."""
-    if labels is not None and page_map is None:
+                params: SelectionParams) -> tuple[Tensor, bool]:
+    """What token scores read: the label cache when there is one (over the logical slots: with
+    the tier's page map too), else the pool's keys; and whether it is the label cache."""
+    if labels is not None:
         if channels is None or labels.shape[1:] != channels.shape:
             raise ValueError("labels need their channels ([Hkv, r], matching the cache)")
         want = label_storage_dtype(params.label_dtype, k_buffer.dtype)
@@ -701,9 +702,6 @@ def _check_inputs(params: SelectionParams, reranked: SelectionParams, ws: Sparse
                            or inputs.attend_blocks is not None):
         raise ValueError("the cascade (prefilter) does not combine with the tier or the "
                          "locality constraint")
-    if params.block_score == "label_max" and inputs.page_map is not None:
-        raise ValueError("the label-max block filter scores resident keys only: not with the "
-                         "CPU tier's page map")
 
 
 _PLAIN = SelectionInputs()
@@ -767,7 +765,10 @@ def select_slots_batched(
 
     tok_keys, from_labels = k_buffer, False
     if ws.k_tokens or params.block_score == "label_max":
-        tok_keys, from_labels = _token_keys(k_buffer, cache.labels, channels, page_map, params)
+        tok_keys, from_labels = _token_keys(k_buffer, cache.labels, channels, params)
+    if params.block_score == "label_max" and page_map is not None and not from_labels:
+        raise ValueError("the label-max block filter under the CPU tier needs the label cache "
+                         "(host-homed keys are not resident)")
     if inputs.candidates is not None:
         top = cand = inputs.candidates
     elif ws.k_prefilter:
@@ -878,7 +879,7 @@ def select_blocks_batched(
                          "and a workspace that fits the batch and params")
     tok_keys, from_labels = None, False
     if params.block_score == "label_max":
-        tok_keys, from_labels = _token_keys(cache.k_buffer, cache.labels, cache.channels, None,
+        tok_keys, from_labels = _token_keys(cache.k_buffer, cache.labels, cache.channels,
                                             params)
     scores = _block_scores(q, cache, rows, ws, tok_keys, from_labels)
     if out_table is not None:

@@ -104,14 +104,23 @@ def _label_token_scores_kernel(
         ).to(tl.int64)
         valid = valid & (page >= 0)
         slot = page * BLOCK_SIZE + (t % BLOCK_SIZE)
+        if KEYS_ARE_LABELS:
+            # the label cache covers the logical slots (host-homed pages too): read the
+            # token's labels there, and hand on its device slot
+            key_slot = tl.load(REQ_TO_TOKEN + row * stride_r2t + pos, mask=valid,
+                               other=0).to(tl.int64)
+        else:
+            key_slot = slot
     elif BLOCK_MAX:
         # Pages are blocks (page_size == block_size): one lookup per block, the same address
         # for all its tokens (one transaction), instead of one per token.
         first = tl.load(REQ_TO_TOKEN + row * stride_r2t + blk * BLOCK_SIZE, mask=valid,
                         other=0).to(tl.int64)
         slot = (first // BLOCK_SIZE) * BLOCK_SIZE + (t % BLOCK_SIZE)
+        key_slot = slot
     else:
         slot = tl.load(REQ_TO_TOKEN + row * stride_r2t + pos, mask=valid, other=0).to(tl.int64)
+        key_slot = slot
 
     r = tl.arange(0, BLOCK_CH)
     rmask = r < NUM_CH
@@ -125,7 +134,7 @@ def _label_token_scores_kernel(
     else:
         k_col = ch
     k = tl.load(
-        K_BUFFER + slot[:, None] * stride_kn + g * stride_kh + k_col[None, :],
+        K_BUFFER + key_slot[:, None] * stride_kn + g * stride_kh + k_col[None, :],
         mask=valid[:, None] & rmask[None, :],
         other=0.0,
     )  # [BLOCK_T, BLOCK_CH], as stored
@@ -275,7 +284,9 @@ def label_token_scores_batched(
     positions [B, Hkv, C*bs] int32 or None)``. With ``page_map`` (int32 ``[rows, Hkv,
     max_blocks]``, the CPU tier's per-head device page of each block, ``-1`` = not resident)
     keys are read through it instead of ``req_to_token``; blocks that are not resident score
-    ``-inf``. ``forced_blocks`` (float32 ``[B, Hkv, max_blocks]``, block scores): the middle
+    ``-inf``. The label cache covers the logical slots, so with ``keys_are_labels`` the labels
+    are read at ``req_to_token``'s slot and the page map only decides residency and the
+    device slot handed on. ``forced_blocks`` (float32 ``[B, Hkv, max_blocks]``, block scores): the middle
     tokens of a candidate block whose entry is ``+inf`` score ``+inf`` (the locality
     constraint's kept blocks, :mod:`locality`). ``keys_are_labels``: ``k_buffer`` is the label
     cache (:mod:`label_cache`, ``[num_slots, Hkv, r]``: key column ``i`` holds channel

@@ -2,11 +2,12 @@
 ``--sparse-tier`` on, size the logical KV space as GPU + host and build the tiered pool
 (sglang_ext/memory_tier/tiered_pool.py).
 
-Without the tier, the batched (CUDA) decode keeps, per layer, the page summaries (key min/max,
-``2 D / block_size`` values per token) and the label cache (``r`` values per token) beside the KV
-pool; they are allocated after it, so ``_derive_pool_sizes`` shrinks SGLang's token count by their
+The batched (CUDA) decode keeps, per layer, the page summaries (key min/max, ``2 D /
+block_size`` values per token) and the label cache (``r`` values per token) beside the KV pool;
+they are allocated after it, so ``_derive_pool_sizes`` shrinks SGLang's token count by their
 share of the per-token bytes (unless ``--max-total-tokens`` fixes it): the pool plus our buffers
-then take what SGLang profiled for the KV alone.
+then take what SGLang profiled for the KV alone. With the tier they cover every logical token
+(host-homed ones too), and the GPU-homed part gives up their room.
 
 Three AROUND hooks; the rest is inert unless the tier is on:
 
@@ -53,16 +54,18 @@ def summary_bytes(cfg: Any, kv_bytes: int) -> int:
     return kv_bytes if kv_bytes >= 2 else 4
 
 
-def side_buffer_share(cfg: Any, head_dim: int, v_head_dim: int, kv_bytes: int) -> float:
-    """Bytes of the batched decode's side buffers per byte of KV, per token (no tier): page
-    summaries (kmin + kmax, :func:`summary_bytes` per value), for methods that
-    score tokens by label channels with a label config, the label cache (KV dtype, or one byte
-    per channel with fp8 labels), and with
-    the locality constraint its page eviction scores (its per-row state is logged, not here).
+def side_buffer_share(cfg: Any, head_dim: int, v_head_dim: int, kv_bytes: int,
+                      label_cache: bool = True) -> float:
+    """Bytes of the batched decode's side buffers per byte of KV, per token (with the tier:
+    per logical token): page summaries (kmin + kmax, :func:`summary_bytes` per value), for
+    methods that score tokens by label channels with a label config, the label cache (KV
+    dtype, or one byte per channel with fp8 labels; ``label_cache=False``: the decode keeps
+    none, e.g. the CPU reference), and with the locality constraint its page eviction scores
+    (its per-row state is logged, not here).
     ``v_head_dim`` counts the value dims stored beside the key: 0 for an MLA pool, whose one
     row of R + P values per token is both (selection/mla.py's KVLayout)."""
     side = 2 * head_dim / cfg.block_size * summary_bytes(cfg, kv_bytes)
-    if cfg.keeps_label_cache:
+    if cfg.keeps_label_cache and label_cache:
         label_bytes = 1 if cfg.label_dtype == "fp8_e4m3" else kv_bytes
         side += min(cfg.label_channels, head_dim) * label_bytes
     if cfg.locality_blocks > 0:
@@ -116,6 +119,7 @@ def _around_derive_pool_sizes(original: Callable, self: Any, *, config: Any) -> 
     import msgspec
 
     from sglang_ext.attention.request_overrides import selection_params
+    from sglang_ext.attention.sparse_backend import resolve_impl
     from sglang_ext.kernels.sparse_decode import selection_sizes
     from sglang_ext.memory_tier.tiered_pool import plan_layout
     from sglang_ext.selection.mla import is_mla_model, kv_layout
@@ -142,9 +146,10 @@ def _around_derive_pool_sizes(original: Callable, self: Any, *, config: Any) -> 
             page_size=cfg.block_size, max_running_requests=sizes.max_running_requests,
             max_prefill_tokens=max_prefill, num_slots=max(k_blocks, 1), sink=cfg.sink,
             window=cfg.window,
-            # key min + max per block (head_dim values each) over a token's K + V row
-            summary_tokens_per_token=(2.0 * layout.head_dim * summary_bytes(cfg, elem)
-                                      / (row_dims * elem) / cfg.block_size),
+            # the side buffers of every logical token, host-homed ones included
+            side_tokens_per_token=side_buffer_share(
+                cfg, layout.head_dim, layout.stored_v_dims, elem,
+                label_cache=resolve_impl(cfg, server_args.device) == "triton"),
             gpu_tokens=cfg.tier_gpu_tokens, layers=layers,
         )
     except ValueError as e:

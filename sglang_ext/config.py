@@ -87,18 +87,19 @@ class SparseConfig:
     @property
     def keeps_label_cache(self) -> bool:
         """Whether the batched (CUDA) decode keeps a label cache (kernels/label_cache.py): a
-        label config, a method that scores tokens by label channels, and no CPU tier (whose
-        token scores read the resident keys by device page)."""
-        return (self.label_config is not None and self.method in ("two_level", "ds")
-                and self.tier == "off")
+        label config and a method that scores tokens by label channels. Under the CPU tier it
+        covers the host-homed pages too (r/D of their keys stays on the GPU), so blocks and
+        tokens are scored without their keys being resident."""
+        return self.label_config is not None and self.method in ("two_level", "ds")
 
     @property
     def label_max_applies(self) -> bool:
-        """Whether the label-max block filter can serve this configuration: two_level without
-        the CPU tier (host-homed keys cannot be scored), the locality constraint (whose
-        query-aware part is ranked by the bound) or the asynchronous block filter."""
-        return (self.method == "two_level" and self.tier == "off" and self.locality_blocks == 0
-                and self.block_filter == "sync")
+        """Whether the label-max block filter can serve this configuration: two_level, under
+        the CPU tier only with the label cache (host-homed keys are not resident), and without
+        the locality constraint (whose query-aware part is ranked by the bound) or the
+        asynchronous block filter."""
+        return (self.method == "two_level" and (self.tier == "off" or self.keeps_label_cache)
+                and self.locality_blocks == 0 and self.block_filter == "sync")
 
     @property
     def effective_block_score(self) -> str:
@@ -253,8 +254,9 @@ _FLAGS: tuple[tuple[str, str, str, str], ...] = (
      "page's key min/max), label_max (each block's largest label score: every middle token is "
      "scored by its label channels, which keeps the block holding a needle about as often as "
      "token-level selection does; bound loses it about half the time at 16- and 32-token "
-     "blocks on real weights), or auto (label_max for two_level without --sparse-tier, "
-     "--sparse-locality-blocks or --sparse-block-filter async, which rank by the bound)."),
+     "blocks on real weights), or auto (label_max for two_level, under --sparse-tier only with "
+     "a --sparse-label-config; the bound with --sparse-locality-blocks or --sparse-block-filter "
+     "async)."),
     ("rerank", "--sparse-rerank", "FACTOR",
      "Token level, exact rerank: the label channels shortlist FACTOR times the tokens the "
      "budget selects, and the exact q.k over all channels (max over the kv head's query "
@@ -374,8 +376,11 @@ def _validate_prefilter(cfg: SparseConfig, fail: Callable[[str, str], None]) -> 
              "blocks)")
     if cfg.prefilter and cfg.effective_block_score != "label_max":
         fail("prefilter", "narrows the label_max block filter: it needs --sparse-method "
-             "two_level with --sparse-block-score label_max or auto, and no --sparse-tier, "
+             "two_level with --sparse-block-score label_max or auto, and no "
              "--sparse-locality-blocks or --sparse-block-filter async")
+    if cfg.prefilter and cfg.tier != "off":
+        fail("prefilter", "does not combine with --sparse-tier (the cascade's kernel path "
+             "has no page map)")
 
 
 def _validate(cfg: SparseConfig) -> None:
@@ -410,8 +415,8 @@ def _validate(cfg: SparseConfig) -> None:
     if cfg.label_dtype not in LABEL_DTYPES:
         fail("label_dtype", f"must be one of {', '.join(LABEL_DTYPES)}")
     if cfg.label_dtype != "auto" and not cfg.keeps_label_cache:
-        fail("label_dtype", "needs the label cache: --sparse-label-config, --sparse-method "
-             "two_level or ds, and no --sparse-tier")
+        fail("label_dtype", "needs the label cache: --sparse-label-config and --sparse-method "
+             "two_level or ds")
     if cfg.summary_dtype not in SUMMARY_DTYPE_NAMES:
         fail("summary_dtype", f"must be one of {', '.join(SUMMARY_DTYPE_NAMES)}")
     if cfg.tier not in TIER_MODES:
@@ -466,8 +471,9 @@ def _validate(cfg: SparseConfig) -> None:
     if cfg.block_score not in BLOCK_SCORE_MODES:
         fail("block_score", f"must be one of {', '.join(BLOCK_SCORE_MODES)}")
     if cfg.block_score == "label_max" and not cfg.label_max_applies:
-        fail("block_score", "label_max needs --sparse-method two_level, and no --sparse-tier, "
-             "--sparse-locality-blocks or --sparse-block-filter async")
+        fail("block_score", "label_max needs --sparse-method two_level (under --sparse-tier "
+             "with a --sparse-label-config), and no --sparse-locality-blocks or "
+             "--sparse-block-filter async")
     _validate_rerank(cfg, fail)
     _validate_prefilter(cfg, fail)
     if cfg.guard_every < 0:
@@ -605,6 +611,9 @@ def _validate_cooperative(cfg: SparseConfig, fail: Any) -> None:
     if cfg.cooperative == "on" and cfg.tier != "sync":
         fail("cooperative", "needs --sparse-tier sync (the step's misses are what the CPU attends "
              "instead of fetching)")
+    if cfg.cooperative == "on" and cfg.label_dtype != "auto":
+        fail("cooperative", "does not combine with --sparse-label-dtype fp8_e4m3 (its CPU "
+             "scores the host keys' channels unrounded, the device the fp8 labels)")
     if cfg.cooperative_threads < 0:
         fail("cooperative_threads", "must be >= 0 (0 = auto)")
 

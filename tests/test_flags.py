@@ -74,9 +74,10 @@ def test_invalid_values_name_the_flag(values, flag):
 def test_fp8_labels_need_the_label_cache():
     labels = dict(label_config=__file__)  # any readable file: only its presence matters here
     assert build_config(label_dtype="fp8_e4m3", **labels).label_dtype == "fp8_e4m3"
-    for values in ({"tier": "sync"}, {"method": "quest"}):
-        with pytest.raises(ConfigError, match="--sparse-label-dtype needs the label cache"):
-            build_config(label_dtype="fp8_e4m3", **labels, **values)
+    # under the tier the label cache covers the host-homed pages too
+    assert build_config(label_dtype="fp8_e4m3", tier="sync", **labels).keeps_label_cache
+    with pytest.raises(ConfigError, match="--sparse-label-dtype needs the label cache"):
+        build_config(label_dtype="fp8_e4m3", method="quest", **labels)
 
 
 def test_fp8_summaries_reach_every_request():
@@ -414,8 +415,9 @@ def test_cooperative_worker_threads():
 
 
 def test_block_score_auto_resolves_and_label_max_is_checked():
-    """auto: label_max for two_level without the tier, the locality constraint or the async
-    filter (which rank by the bound); an explicit label_max elsewhere stops start-up."""
+    """auto: label_max for two_level without the locality constraint or the async filter
+    (which rank by the bound), under the tier only with the label cache (a label config); an
+    explicit label_max elsewhere stops start-up."""
     from sglang_ext.attention.request_overrides import parse_override
 
     assert build_config().effective_block_score == "label_max"
@@ -425,6 +427,11 @@ def test_block_score_auto_resolves_and_label_max_is_checked():
         assert build_config(**values).effective_block_score == "bound"
         with pytest.raises(ConfigError, match="--sparse-block-score label_max needs"):
             build_config(block_score="label_max", **values)
+    tier_with_labels = build_config(tier="sync", label_config=__file__)
+    assert tier_with_labels.keeps_label_cache
+    assert tier_with_labels.effective_block_score == "label_max"
+    with pytest.raises(ConfigError, match="--sparse-block-prefilter does not combine with --sparse-tier"):
+        build_config(tier="sync", label_config=__file__, prefilter=2)
     assert build_config(block_score="bound").effective_block_score == "bound"
     with pytest.raises(ConfigError, match="--sparse-block-score must be one of"):
         build_config(block_score="minmax")

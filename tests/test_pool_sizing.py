@@ -91,36 +91,67 @@ def test_mla_pool_shrinks_by_its_latent_row_share():
     assert sizes.max_total_num_tokens == int(profiled / (1 + share)) // 32 * 32
 
 
+MLA_RANK, MLA_ROPE, MLA_LAYERS, MLA_BLOCK, MLA_PROFILED = 32, 16, 2, 16, 40_000
+
+
+def _mla_tier_configurator(device: str, **config: object) -> SimpleNamespace:
+    """A small MLA model's configurator with the tier on (``config``: more SparseConfig)."""
+    from sglang.srt.configs.model_config import AttentionArch
+
+    mla = SimpleNamespace(attention_arch=AttentionArch.MLA, kv_lora_rank=MLA_RANK,
+                          qk_rope_head_dim=MLA_ROPE, head_dim=40, v_head_dim=16, context_len=512)
+    server_args = SimpleNamespace(
+        attention_backend="sglang_ext", decode_attention_backend=None,
+        prefill_attention_backend=None, max_total_tokens=None, device=device,
+        page_size=MLA_BLOCK, max_prefill_tokens=256, chunked_prefill_size=256,
+        enable_memory_saver=False)
+    attach_config(server_args, build_config(block_size=MLA_BLOCK, tier="async", budget=256,
+                                            **config))
+    return SimpleNamespace(
+        server_args=server_args, is_hybrid_swa=False, model_config=mla,
+        kv_cache_dtype=torch.bfloat16, device=device,
+        layer_info=SimpleNamespace(num_effective_layers=MLA_LAYERS, start_layer=0,
+                                   end_layer=MLA_LAYERS))
+
+
+def test_tier_leaves_room_for_the_label_cache_of_host_tokens(monkeypatch):
+    """Under the tier the batched decode's label cache covers the host-homed tokens too: their
+    labels (r values a token) come out of the GPU-homed part, beside their page summaries. The
+    CPU reference decode keeps no label cache."""
+    from sglang_ext import runtime
+
+    monkeypatch.setattr(runtime.state(), "tier_layout", None)
+    labels = dict(method="two_level", label_channels=16, label_config=__file__, tier_host_gb=0.01)
+    layouts = {}
+    for device in ("cpu", "cuda"):
+        _around_derive_pool_sizes(lambda self, *, config: _sizes(MLA_PROFILED),
+                                  _mla_tier_configurator(device, **labels), config=None)
+        layouts[device] = runtime.state().tier_layout
+    row = MLA_RANK + MLA_ROPE
+    r = (2 * row / MLA_BLOCK + 16) / row  # summaries + labels per latent row
+    cuda = layouts["cuda"]
+    assert cuda.host_tokens == layouts["cpu"].host_tokens > 0
+    assert cuda.gpu_tokens < layouts["cpu"].gpu_tokens
+    assert cuda.gpu_tokens <= (MLA_PROFILED * (1 + r) - cuda.work_tokens
+                               - cuda.host_tokens * r) / (1 + r)
+
+
 def test_tier_sizes_mla_by_the_latent_row_and_builds_the_tiered_mla_pool(monkeypatch):
     """With --sparse-tier on an MLA model, host tokens are counted in latent rows (R + P values
     per layer, one head on every rank, no V), the summaries' device share is 2 (R + P) / block
     per row, and the _build_mla_kv_pool hook builds TieredMLAKVPool over the layout's G + W
     device rows (SGLang's factory builds MLATokenToKVPool itself: no pool class to pass)."""
-    from sglang.srt.configs.model_config import AttentionArch
-
     from sglang_ext.memory_tier.tiered_pool import TieredMLAKVPool
     from sglang_ext import runtime
 
     # the process's layout, restored afterwards
     monkeypatch.setattr(runtime.state(), "tier_layout", None)
-    rank, rope, layers, block = 32, 16, 2, 16
-    mla = SimpleNamespace(attention_arch=AttentionArch.MLA, kv_lora_rank=rank,
-                          qk_rope_head_dim=rope, head_dim=40, v_head_dim=16, context_len=512)
-    server_args = SimpleNamespace(
-        attention_backend="sglang_ext", decode_attention_backend=None,
-        prefill_attention_backend=None, max_total_tokens=None, device="cpu", page_size=block,
-        max_prefill_tokens=256, chunked_prefill_size=256, enable_memory_saver=False)
     host_gb = 0.001
-    attach_config(server_args, build_config(method="quest", block_size=block, tier="async",
-                                            tier_host_gb=host_gb, budget=256))
-    configurator = SimpleNamespace(
-        server_args=server_args, is_hybrid_swa=False, model_config=mla,
-        kv_cache_dtype=torch.bfloat16, device="cpu",
-        layer_info=SimpleNamespace(num_effective_layers=layers, start_layer=0, end_layer=layers))
-    profiled = 40_000
-    sizes = _around_derive_pool_sizes(lambda self, *, config: _sizes(profiled), configurator,
+    configurator = _mla_tier_configurator("cpu", method="quest", tier_host_gb=host_gb)
+    sizes = _around_derive_pool_sizes(lambda self, *, config: _sizes(MLA_PROFILED), configurator,
                                       config=None)
     layout = runtime.state().tier_layout
+    rank, rope, layers, block, profiled = MLA_RANK, MLA_ROPE, MLA_LAYERS, MLA_BLOCK, MLA_PROFILED
     row_bytes = layers * (rank + rope) * 2  # one latent row per layer, bf16
     assert layout.host_tokens == int(host_gb * 1e9) // row_bytes // block * block
     assert sizes.max_total_num_tokens == layout.gpu_tokens + layout.host_tokens

@@ -31,7 +31,7 @@ SLOTS = 6  # working-set slots per request
 def _pool() -> tuple[TieredKVPool, torch.Tensor]:
     layout = plan_layout(device_tokens=0, host_tokens=1024, page_size=PS, max_running_requests=2,
                          max_prefill_tokens=PROMPT + PS, num_slots=SLOTS, sink=PS, window=2 * PS,
-                         summary_tokens_per_token=1 / PS, gpu_tokens=PS)  # all KV on the host
+                         side_tokens_per_token=1 / PS, gpu_tokens=PS)  # all KV on the host
     pool = TieredKVPool(PS, torch.bfloat16, 1, 8, 1, "cpu", False, layout=layout, mode="sync")
     req_to_token = torch.zeros((3, 2 * PROMPT), dtype=torch.int32)
     # row 1: request A's pages; row 2: request B's, whose first 48 tokens are a radix hit on

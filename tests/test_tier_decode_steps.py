@@ -25,6 +25,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_ext.config import dense_middle_blocks
 from sglang_ext.kernels.block_summary import allocate_block_summaries, update_block_summaries
+from sglang_ext.kernels.label_cache import allocate_label_cache, update_label_cache
 from sglang_ext.kernels.locality import LocalityKernelState, update_eviction_page_scores
 from sglang_ext.kernels.sparse_decode import (
     DecodeRows,
@@ -64,7 +65,7 @@ SERVER_GPU = Shape(layers=3, kv_heads=4, group=5, head_dim=128, page_size=16, si
 
 class Run:
     def __init__(self, params: SelectionParams, mode: str, prompt_lens: list[int], steps: int,
-                 shape: Shape = SMALL, kv_dtype: torch.dtype = DTYPE):
+                 shape: Shape = SMALL, kv_dtype: torch.dtype = DTYPE, labels: bool = False):
         self.params, self.steps, self.shape, self.kv_dtype = params, steps, shape, kv_dtype
         sh, ps = shape, shape.page_size
         dev = self.device = torch.device(sh.device)
@@ -78,7 +79,7 @@ class Run:
             device_tokens=0, host_tokens=(len(self.rows) * pages_per_row + 4) * ps, page_size=ps,
             max_running_requests=len(self.rows), max_prefill_tokens=sum(prompt_lens),
             num_slots=max(k_blocks, 1), sink=sh.sink, window=sh.window,
-            summary_tokens_per_token=1 / ps, gpu_tokens=ps)  # page 0 only: all KV on the host
+            side_tokens_per_token=1 / ps, gpu_tokens=ps)  # page 0 only: all KV on the host
         self.pool = TieredKVPool(ps, kv_dtype, sh.kv_heads, sh.head_dim, sh.layers, sh.device, False,
                                  layout=layout, mode=mode)
         logical = layout.logical_tokens
@@ -102,6 +103,9 @@ class Run:
                           for _ in range(sh.layers)]
         self.channels = torch.stack([torch.randperm(sh.head_dim, generator=self.gen)[:5]
                                      for _ in range(sh.kv_heads)]).to(dev)
+        # the label cache over the logical slots (host-homed pages too), which both paths read
+        self.labels = [allocate_label_cache(logical, sh.kv_heads, self.channels.shape[1], dev)
+                       for _ in range(sh.layers)] if labels else [None] * sh.layers
         batch = len(self.rows)
         workspace = lambda: SparseDecodeWorkspace(  # noqa: E731
             batch, sh.kv_heads * sh.group, sh.kv_heads, sh.head_dim, params, max_context // ps,
@@ -127,6 +131,8 @@ class Run:
         self.plain_k[layer][loc.long()] = k
         self.plain_v[layer][loc.long()] = v
         update_block_summaries(*self.summaries[layer], k.to(DTYPE), loc, self.shape.page_size)
+        if self.labels[layer] is not None:
+            update_label_cache(self.labels[layer], k.to(DTYPE), loc, self.channels)
         if self.locality is not None:
             update_eviction_page_scores(self.locality[0].page_scores[layer], k, loc,
                                         self.shape.page_size, "key_norm")
@@ -165,7 +171,8 @@ class Run:
                             else buf[layer].view(self.kv_dtype)
                             for buf in (pool.k_buffer, pool.v_buffer))
             got = sparse_decode_batched(
-                q, LayerCache(keys, values, kmin, kmax, channels=self.channels),
+                q, LayerCache(keys, values, kmin, kmax, channels=self.channels,
+                              labels=self.labels[layer]),
                 rows, self.params, 0.25, self.ws_tier,
                 SelectionInputs(page_map=tier.page_map(layer), on_blocks=on_blocks,
                                 attend_blocks=attend, locality=self._locality(0, layer)),
@@ -173,7 +180,7 @@ class Run:
             tier.after_layer(layer, rpi, r2t, pool.k_buffer[layer], pool.v_buffer[layer])
             want = sparse_decode_batched(
                 q, LayerCache(self.plain_k[layer], self.plain_v[layer], kmin, kmax,
-                              channels=self.channels),
+                              channels=self.channels, labels=self.labels[layer]),
                 rows, self.params, 0.25, self.ws_plain,
                 SelectionInputs(locality=self._locality(1, layer)),
             ).clone()
@@ -184,6 +191,13 @@ class Run:
 
     def _locality(self, path: int, layer: int):
         return None if self.locality is None else self.locality[path].layer(layer)
+
+    def prefill_decode_and_compare(self, label: str) -> None:
+        """The whole run: prefill, every step compared (:meth:`decode_all_and_compare`), and
+        every page freed at the end."""
+        self.prefill()
+        self.decode_all_and_compare(label)
+        self.finish()
 
     def decode_all_and_compare(self, label: str) -> None:
         """Every step, every layer: the tiered decode equals the plain pool's bit for bit; some
@@ -363,9 +377,50 @@ def test_the_exact_rerank_under_the_tier_equals_the_untiered_rerank(mode: str, b
     params = SelectionParams("two_level", budget, ps, candidates, sink, window, rerank=2,
                              rerank_min_tokens=16)
     run = Run(params, mode, prompt_lens=[45, 30] if mode == "sync" else [68, 23], steps=8)
-    run.prefill()
-    run.decode_all_and_compare(mode)
-    run.finish()
+    run.prefill_decode_and_compare(mode)
+
+
+@pytest.mark.parametrize("mode, budget, block_score, rerank", [
+    ("sync", 24, "label_max", 0), ("sync", 24, "bound", 0), ("sync", 24, "label_max", 2),
+    ("async", 96, "label_max", 0)])
+def test_the_label_cache_under_the_tier_equals_the_untiered_label_cache(
+        mode: str, budget: int, block_score: str, rerank: int) -> None:
+    """The label cache under the tier: it covers the logical slots, so the label-max block
+    filter ranks host-homed blocks from their labels, and token scores read labels at the
+    logical slot while the page map decides residency and the device slot. Every step equals
+    the untiered decode over the same label cache, with the rerank too (the recommended
+    setting)."""
+    ps, sink, window = SMALL.page_size, SMALL.sink, SMALL.window
+    candidates = 6 if mode == "sync" else dense_middle_blocks(budget, sink, window, ps)
+    params = SelectionParams("two_level", budget, ps, candidates, sink, window,
+                             block_score=block_score, rerank=rerank,
+                             rerank_min_tokens=16 if rerank else 0)
+    run = Run(params, mode, prompt_lens=[45, 30] if mode == "sync" else [68, 23], steps=8,
+              labels=True)
+    run.prefill_decode_and_compare(f"{mode} {block_score} rerank {rerank}")
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["async", "sync"])
+@pytest.mark.parametrize("labels", [False, True], ids=["keys", "label_cache"])
+def test_gpu_tier_at_served_shapes_equals_the_untiered_decode(mode: str, labels: bool) -> None:
+    """The two tests above on the GPU at served shapes (the real token-score, rerank and gather
+    kernels, the async schedule's side stream): the rerank 4 reading the shortlist's keys
+    through the page map, and with the label cache the label maximum ranking host-homed blocks
+    from their labels. Under ``sync`` a budget well under the context (with the rerank 4:
+    its shortlist is wider than the budget); under ``async`` the whole context (the rerank on
+    the resident keys alone)."""
+    sh = SERVER_GPU
+    budget, lens = (256, [1500, 1100]) if mode == "sync" else (2048, [1536, 1100])
+    candidates = 80 if mode == "sync" else dense_middle_blocks(budget, sh.sink, sh.window,
+                                                                sh.page_size)
+    params = SelectionParams("two_level", budget, sh.page_size, candidates, sh.sink, sh.window,
+                             block_score="label_max" if labels else "bound",
+                             rerank=4 if mode == "sync" or not labels else 0,
+                             rerank_min_tokens=0)
+    run = Run(params, mode, prompt_lens=lens, steps=16, shape=sh, labels=labels)
+    run.prefill_decode_and_compare(f"{mode} labels={labels}")
 
 
 @pytest.mark.parametrize("method, mode, budget", [
@@ -383,9 +438,7 @@ def test_an_fp8_tier_decodes_what_an_fp8_pool_decodes(method: str, mode: str,
     run = Run(params, mode, prompt_lens=[45, 30] if budget == 24 else [68, 23], steps=8,
               kv_dtype=FP8)
     assert run.pool.k_buffer[0].dtype == torch.uint8 and run.pool.host.k[0].dtype == FP8
-    run.prefill()
-    run.decode_all_and_compare(f"{mode} {method}")
-    run.finish()
+    run.prefill_decode_and_compare(f"{mode} {method}")
 
 
 @gpu

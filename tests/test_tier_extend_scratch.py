@@ -39,7 +39,7 @@ class Side:
         self.layout = plan_layout(
             device_tokens=0, host_tokens=64 * PS, page_size=PS, max_running_requests=3,
             max_prefill_tokens=max_prefill, num_slots=4, sink=PS, window=2 * PS,
-            summary_tokens_per_token=1 / PS, gpu_tokens=GPU_PAGES * PS, layers=LAYERS)
+            side_tokens_per_token=1 / PS, gpu_tokens=GPU_PAGES * PS, layers=LAYERS)
         self.pool = TieredKVPool(PS, torch.bfloat16, HEADS, DIM, LAYERS, device, False,
                                  layout=self.layout, mode="sync")
         self.device = device
@@ -141,7 +141,7 @@ def test_the_scratch_costs_one_layer_and_the_working_area_holds_working_sets_onl
     have taken them all."""
     common = dict(device_tokens=700_000, host_tokens=650_000, page_size=16,
                   max_running_requests=16, max_prefill_tokens=163_840 + 32_768, num_slots=246,
-                  sink=64, window=256, summary_tokens_per_token=1 / 16)
+                  sink=64, window=256, side_tokens_per_token=1 / 16)
     one = plan_layout(**common, layers=1)
     deep = plan_layout(**common, layers=36)
     per_request = (deep.sink_pages + deep.ring_pages + deep.num_slots) * 16

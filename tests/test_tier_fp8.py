@@ -30,7 +30,7 @@ PROMPT = 90
 def _pool(dtype: torch.dtype) -> tuple[TieredKVPool, torch.Tensor]:
     layout = plan_layout(device_tokens=0, host_tokens=1024, page_size=PS, max_running_requests=2,
                          max_prefill_tokens=PROMPT + PS, num_slots=6, sink=PS, window=2 * PS,
-                         summary_tokens_per_token=1 / PS, gpu_tokens=GPU_TOKENS)
+                         side_tokens_per_token=1 / PS, gpu_tokens=GPU_TOKENS)
     pool = TieredKVPool(PS, dtype, HEADS, DIM, LAYERS, "cpu", False, layout=layout, mode="sync")
     req_to_token = torch.zeros((2, 2 * PROMPT), dtype=torch.int32)
     req_to_token[1] = torch.arange(32, 32 + 2 * PROMPT, dtype=torch.int32)  # crosses G

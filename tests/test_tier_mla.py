@@ -181,7 +181,7 @@ class Side:
                 device_tokens=0, host_tokens=logical - gpu_tokens, page_size=page,
                 max_running_requests=len(lens), max_prefill_tokens=sum(lens),
                 num_slots=max(k_blocks, 1), sink=sh.sink, window=sh.window,
-                summary_tokens_per_token=2 / page, gpu_tokens=gpu_tokens)
+                side_tokens_per_token=2 / page, gpu_tokens=gpu_tokens)
             self.pool = _mla_pool(0, dtype, sh, layout=layout, mode=tier)
         # Each request owns whole logical pages, scattered (page 0 is the padding page): with
         # gpu_tokens > PAGE some are homed on the GPU and the rest on the host.

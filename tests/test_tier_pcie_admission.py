@@ -40,7 +40,7 @@ def _pool(gpu_tokens: int = PS, rows: int = 3) -> tuple[TieredKVPool, torch.Tens
     """All KV on the host by default (page 0 alone is GPU-homed); room for three working sets."""
     layout = plan_layout(device_tokens=0, host_tokens=1024, page_size=PS, max_running_requests=3,
                          max_prefill_tokens=PROMPT + PS, num_slots=SLOTS, sink=PS, window=2 * PS,
-                         summary_tokens_per_token=1 / PS, gpu_tokens=gpu_tokens)
+                         side_tokens_per_token=1 / PS, gpu_tokens=gpu_tokens)
     pool = TieredKVPool(PS, torch.bfloat16, HEADS, DIM, LAYERS, "cpu", False, layout=layout,
                         mode="sync")
     req_to_token = torch.zeros((rows + 1, 2 * PROMPT), dtype=torch.int32)

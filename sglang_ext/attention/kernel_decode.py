@@ -88,7 +88,7 @@ class KernelDecoder:
         self.labels: Optional[list[Tensor]] = None
         if ctx.files.label_channels is not None and config.keeps_label_cache:
             self.labels = allocate_label_cache(ctx.token_to_kv_pool, ctx.files.label_channels,
-                                               config.label_dtype, ctx.device)
+                                               config.label_dtype, ctx.page_size, ctx.device)
         self.kernel_params = ctx.default_params
         self.topk_radix_bits = topk_radix_bits_override()
         self._workspaces: list[SparseDecodeWorkspace] = []

@@ -69,16 +69,18 @@ class PageSummaries:
 
 
 def allocate_label_cache(pool: Any, label_channels: torch.Tensor, label_dtype: str,
-                         device: Any) -> list[torch.Tensor]:
+                         page_size: int, device: Any) -> list[torch.Tensor]:
     """Per layer ``[num_slots, Hkv, r]``: the label channels of every key (r/D of the key
     cache's memory), so that token scoring reads r contiguous values per key instead of
-    gathering them from the key rows."""
+    gathering them from the key rows. Indexed by logical slot, as the page summaries: under
+    the CPU tier the host-homed keys' labels stay on the GPU."""
     from sglang_ext.kernels.label_cache import allocate_label_cache as allocate
 
     k0 = pool.get_key_buffer(pool.start_layer)
     r = label_channels.shape[-1]
     dtype = label_storage_dtype(label_dtype, k0.dtype)
-    labels = [allocate(k0.shape[0], k0.shape[1], r, device, dtype) for _ in range(pool.layer_num)]
+    num_slots = logical_slots(pool, page_size)
+    labels = [allocate(num_slots, k0.shape[1], r, device, dtype) for _ in range(pool.layer_num)]
     logger.info("sglang_ext label cache: %d channels of %d in %s, %.2f GiB", r, k0.shape[2],
                 str(dtype).removeprefix("torch."),
                 sum(t.numel() * t.element_size() for t in labels) / 2**30)

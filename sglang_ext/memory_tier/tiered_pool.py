@@ -111,13 +111,14 @@ class TierLayout:
 def plan_layout(
     *, device_tokens: int, host_tokens: int, page_size: int, max_running_requests: int,
     max_prefill_tokens: int, num_slots: int, sink: int, window: int,
-    summary_tokens_per_token: float, gpu_tokens: int = 0, layers: int = 1,
+    side_tokens_per_token: float, gpu_tokens: int = 0, layers: int = 1,
 ) -> TierLayout:
     """Split SGLang's profiled device capacity (``device_tokens`` KV slots of ``layers``
     layers) into GPU-homed slots, the working area and the extend scratch (one layer of rows:
-    ``1 / layers`` KV slot each), leaving room for the page summaries of the extra logical
-    slots. ``summary_tokens_per_token``: device bytes of summaries per logical token, in KV
-    slots (1 / page_size for bf16 min/max). ``gpu_tokens`` > 0 forces G (tests)."""
+    ``1 / layers`` KV slot each), leaving room for the side buffers (page summaries, label
+    cache) of the extra logical slots. ``side_tokens_per_token``: their device bytes per
+    logical token, in KV slots (1 / page_size for bf16 min/max alone). ``gpu_tokens`` > 0
+    forces G (tests)."""
     ps = page_size
     sink_pages = -(-sink // ps)
     ring_pages = tier_ring_pages(window, ps)
@@ -129,16 +130,17 @@ def plan_layout(
     scratch_slots = -(-scratch // max(layers, 1))
     host = host_tokens // ps * ps
     if gpu_tokens <= 0:
-        # G + W + S / L + (G + H) * r <= device_tokens * (1 + r): the summaries of the logical
-        # slots beyond the device capacity come out of the GPU-homed part.
-        r = summary_tokens_per_token
+        # G + W + S / L + (G + H) * r <= device_tokens * (1 + r): the side buffers of the
+        # logical slots beyond the device capacity come out of the GPU-homed part.
+        r = side_tokens_per_token
         gpu_tokens = int((device_tokens * (1 + r) - work - scratch_slots - host * r) / (1 + r))
     gpu = gpu_tokens // ps * ps
     if gpu < ps:
         raise ValueError(
             f"the CPU tier's working area ({work} tokens: {max_running_requests} running "
             f"requests x {per_request}), its extend scratch ({scratch} rows of one layer) and "
-            f"the summaries of {host} host tokens leave no GPU KV slots out of {device_tokens}; "
+            f"the side buffers of {host} host tokens leave no GPU KV slots out of "
+            f"{device_tokens}; "
             f"lower --max-running-requests or --sparse-tier-host-gb, or raise "
             f"--mem-fraction-static"
         )
