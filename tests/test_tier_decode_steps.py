@@ -381,8 +381,7 @@ def test_the_exact_rerank_under_the_tier_equals_the_untiered_rerank(mode: str, b
 
 
 @pytest.mark.parametrize("mode, budget, block_score, rerank", [
-    ("sync", 24, "label_max", 0), ("sync", 24, "bound", 0), ("sync", 24, "label_max", 2),
-    ("async", 96, "label_max", 0)])
+    ("sync", 24, "label_max", 0), ("sync", 24, "label_max", 2), ("async", 96, "label_max", 0)])
 def test_the_label_cache_under_the_tier_equals_the_untiered_label_cache(
         mode: str, budget: int, block_score: str, rerank: int) -> None:
     """The label cache under the tier: it covers the logical slots, so the label-max block
