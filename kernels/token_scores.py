@@ -286,9 +286,9 @@ def label_token_scores_batched(
     keys are read through it instead of ``req_to_token``; blocks that are not resident score
     ``-inf``. The label cache covers the logical slots, so with ``keys_are_labels`` the labels
     are read at ``req_to_token``'s slot and the page map only decides residency and the
-    device slot handed on. ``forced_blocks`` (float32 ``[B, Hkv, max_blocks]``, block scores): the middle
-    tokens of a candidate block whose entry is ``+inf`` score ``+inf`` (the locality
-    constraint's kept blocks, :mod:`locality`). ``keys_are_labels``: ``k_buffer`` is the label
+    device slot handed on. ``forced_blocks`` (float32 ``[B, Hkv, max_blocks]``, block
+    scores): the middle tokens of a candidate block whose entry is ``+inf`` score ``+inf``
+    (the locality constraint's kept blocks, :mod:`locality`). ``keys_are_labels``: ``k_buffer`` is the label
     cache (:mod:`label_cache`, ``[num_slots, Hkv, r]``: key column ``i`` holds channel
     ``channels[g, i]``), so the keys are read whole and only the queries at ``channels`` (the
     same products in the same order as reading the channels from the pool's keys; the query

@@ -430,7 +430,8 @@ def test_block_score_auto_resolves_and_label_max_is_checked():
     tier_with_labels = build_config(tier="sync", label_config=__file__)
     assert tier_with_labels.keeps_label_cache
     assert tier_with_labels.effective_block_score == "label_max"
-    with pytest.raises(ConfigError, match="--sparse-block-prefilter does not combine with --sparse-tier"):
+    with pytest.raises(ConfigError,
+                       match="--sparse-block-prefilter does not combine with --sparse-tier"):
         build_config(tier="sync", label_config=__file__, prefilter=2)
     assert build_config(block_score="bound").effective_block_score == "bound"
     with pytest.raises(ConfigError, match="--sparse-block-score must be one of"):
