@@ -288,11 +288,11 @@ def label_token_scores_batched(
     are read at ``req_to_token``'s slot and the page map only decides residency and the
     device slot handed on. ``forced_blocks`` (float32 ``[B, Hkv, max_blocks]``, block
     scores): the middle tokens of a candidate block whose entry is ``+inf`` score ``+inf``
-    (the locality constraint's kept blocks, :mod:`locality`). ``keys_are_labels``: ``k_buffer`` is the label
-    cache (:mod:`label_cache`, ``[num_slots, Hkv, r]``: key column ``i`` holds channel
-    ``channels[g, i]``), so the keys are read whole and only the queries at ``channels`` (the
-    same products in the same order as reading the channels from the pool's keys; the query
-    gather happens in the kernel, not as separate launches).
+    (the locality constraint's kept blocks, :mod:`locality`). ``keys_are_labels``:
+    ``k_buffer`` is the label cache (:mod:`label_cache`, ``[num_slots, Hkv, r]``: key column
+    ``i`` holds channel ``channels[g, i]``), so the keys are read whole and only the queries at
+    ``channels`` (the same products in the same order as reading the channels from the pool's
+    keys; the query gather happens in the kernel, not as separate launches).
 
     ``cand_slots_out`` / ``cand_positions_out`` (int32, the scores' shape and strides): also
     write each candidate token's KV slot (``-1`` where its score is ``-inf`` for lying outside
