@@ -263,8 +263,8 @@ _FLAGS: tuple[tuple[str, str, str, str], ...] = (
      "heads) picks the budget's tokens among them. Label scores are an approximation; top-k "
      "by the exact q.k kept dense attention's score on the needle tasks at budget 1/16 (2k "
      "context, SmolLM2). Costs reading FACTOR x the selected tokens' keys once more. 0 = off; "
-     "else >= 2; ds and two_level, not with the tier, the locality constraint, the guard or "
-     "the async block filter."),
+     "else >= 2; ds and two_level (with or without the tier), not with the locality "
+     "constraint, the guard, the async block filter or cooperative attention."),
     ("rerank_min_tokens", "--sparse-rerank-min-tokens", "TOKENS",
      "With --sparse-rerank: the shortlist holds at least TOKENS tokens (and the automatic "
      "--sparse-candidate-blocks room for twice that). The label scores' rank error grows with "

@@ -3,9 +3,14 @@ into one tagged file, and the block filters' accuracy against operator time."""
 
 import json
 
+import pytest
+
 from benchmarks.accuracy.compare_impls import compare, render
 from benchmarks.accuracy.gpu_suite import combine
+from benchmarks.accuracy.runner import sparse_settings
 from benchmarks.block_filter_pareto import accuracy_drops, operator_times, table
+from server_utils import LABELS_BASIS
+from sglang_ext.config import build_config
 
 
 def _row(method, budget, score, lo, hi, dense=80.0, n=30, task="passkey", context=2048):
@@ -76,3 +81,49 @@ def test_a_server_that_dies_at_start_up_is_reported_with_its_own_error(tmp_path,
     with pytest.raises(RuntimeError) as e:
         gpu_suite.run_config(args, 32, "bf16")
     assert "server exited with 3" in str(e.value) and "view size is not compatible" in str(e.value)
+
+
+@pytest.mark.parametrize("method", ["two_level", "two_level_rerank4"])
+def test_a_tiered_servers_flags_are_the_settings_its_requests_would_carry(method):
+    """The tier refuses per-request settings on the Triton path, so the suite starts a tiered
+    server per (method, budget) with the settings as flags: they must validate with the tier
+    (block 32, a label config) and match what the untiered server's requests carry."""
+    from benchmarks.accuracy.gpu_suite import TIER_ARGS, setting_flags
+
+    flags = setting_flags(method, 256, 32) + TIER_ARGS
+    values = {flag.removeprefix("--sparse-").replace("-", "_"): value
+              for flag, value in zip(flags[::2], flags[1::2])}
+    cfg = build_config(**values, tier="async", block_size=32, label_config=LABELS_BASIS)
+    sent = sparse_settings([method], [256], 32)[-1].custom_params["sparse"]
+    assert (cfg.method, cfg.budget, cfg.sink, cfg.window, cfg.rerank) == (
+        sent["method"], 256, sent["sink"], sent["window"], sent.get("rerank", 0))
+
+
+def test_tiered_rows_pair_with_the_untiered_rows_of_the_same_cells(tmp_path):
+    untiered = tmp_path / "smollm2_b32_bf16_kpca.json"
+    untiered.write_text(json.dumps({"rows": [
+        _row("dense", 0, 80, 62, 91), _row("two_level", 256, 70, 52, 83, n=40),
+        _row("two_level", 256, 50, 32, 68, task="niah_number", n=40)]}))
+    tiered = tmp_path / "smollm2_b32_bf16_kpca_tierasync.json"
+    tiered.write_text(json.dumps({"rows": [
+        _row("two_level", 256, 60, 42, 75, dense=None, n=40),
+        _row("two_level", 256, 50, 32, 68, dense=None, task="niah_number", n=20)]}))
+    doc = combine([str(untiered), str(tiered)], str(tmp_path / "all.json"))
+    assert {(r["tier"], r["labels"]) for r in doc["rows"]} == {("off", "kpca"), ("async", "kpca")}
+    gaps = doc["tier_gaps"]["async"]
+    assert sorted(c["gap"] for c in gaps["cells"]) == [-10.0, 0.0]
+    assert gaps["mean_gap"] == round(-10.0 * 40 / 60, 2)  # weighted by the tiered samples
+
+
+def test_the_driver_takes_the_servers_own_setting_only_from_one_named_server():
+    from benchmarks.accuracy.driver import parse_args
+
+    args = parse_args(["--server-url", "http://x", "--server-setting", "--methods", "two_level",
+                       "--budgets", "256"])
+    assert args.server_setting
+    for bad in (["--methods", "two_level", "ds", "--budgets", "256"],
+                ["--methods", "two_level", "--budgets", "128", "256"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--server-url", "http://x", "--server-setting", *bad])
+    with pytest.raises(SystemExit):
+        parse_args(["--server-setting", "--methods", "two_level", "--budgets", "256"])

@@ -171,6 +171,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "(overrides the above)")
     p.add_argument("--server-url", nargs="+", default=None,
                    help="use these running servers, start none")
+    p.add_argument("--server-setting", action="store_true",
+                   help="send no per-request settings: every request decodes with the server's "
+                        "own flags (a server that refuses custom_params.sparse, e.g. the CPU "
+                        "tier on --sparse-impl triton); rows are named by the one --methods and "
+                        "--budgets value the server was started with, and have no dense column")
     p.add_argument("--reference", action="store_true",
                    help="also run the dense requests on SGLang's torch_native backend")
     p.add_argument("--out", default=DEFAULT_OUT, help="results JSON (merged); .md and .png beside it")
@@ -193,6 +198,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("--locality-new-share must be in (0, 1]")
     if args.locality_filter_scale <= 0:
         p.error("--locality-filter-scale must be > 0")
+    if args.server_setting and (len(args.methods) != 1 or len(args.budgets) != 1
+                                or not args.server_url or args.reference):
+        p.error("--server-setting needs --server-url, one --methods and one --budgets value "
+                "(the server's), and no --reference")
     return args
 
 
@@ -312,12 +321,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for learned in ("locality_learned", "locality_limited_learned"):
         if learned in args.methods and not args.eviction_head and not args.server_url:
             raise SystemExit(f"accuracy: --methods {learned} needs --eviction-head FILE")
-    settings = R.sparse_settings(args.methods, args.budgets, args.block_size, args.sink, args.window,
-                                 args.locality_share, args.locality_new_share,
-                                 args.locality_filter_scale)
-    print(f"[accuracy] tasks {args.tasks}, contexts {args.contexts}, {args.samples} samples each; "
-          f"dense + {args.methods} x budgets {args.budgets}; block size {args.block_size} "
-          f"(CPU setting for this 64-dim-head model)", flush=True)
+    if args.server_setting:
+        # the server's flags decide; the row names what it was started with
+        settings = [R.Setting(args.methods[0], args.budgets[0], None)]
+    else:
+        settings = R.sparse_settings(args.methods, args.budgets, args.block_size, args.sink,
+                                     args.window, args.locality_share, args.locality_new_share,
+                                     args.locality_filter_scale)
+    print(f"[accuracy] tasks {args.tasks}, contexts {args.contexts}, {args.samples} samples "
+          f"each; {'' if args.server_setting else 'dense + '}{args.methods} x budgets "
+          f"{args.budgets}; block size {args.block_size}", flush=True)
 
     tokenizer = T.load_tokenizer(MODEL_DIR)
     t0 = time.time()
@@ -370,6 +383,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "max_new_tokens_rule": f"per sample: expected answer's tokens (inline or listed, "
                                    f"whichever is longer) + {T.ANSWER_SLACK}, at most the above",
             "quick": bool(args.quick),
+            "server_setting": bool(args.server_setting),
         }
 
         def save(rows):

@@ -11,17 +11,24 @@ sglang_ext/attention/mixed_settings.py). Per configuration the driver's files
 (``<out-dir>/smollm2_b<bs>_<storage>.json/.md/.png``) hold the rows; ``--combined`` gathers
 every configuration's rows, tagged with impl / block_size / storage, into one file with a plot
 of score against the budget's share of the context.
+
+``--tiers off async sync`` adds the CPU tier with every page but one homed on the host. The
+tier refuses per-request settings on the Triton path, so each (method, budget) of a tiered
+configuration gets its own server started with those settings as flags, and the rows come from
+requests that carry none (``driver --server-setting``). The combined file's ``tier_gaps`` pair
+each tiered row with the untiered row of the same method, budget, context and task.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import requests
 
@@ -39,6 +46,10 @@ DEFAULT_TASKS = ("passkey", "niah_number", "niah_multikey", "niah_multivalue", "
 
 
 DEFAULT_LABELS = "sparse_labels.json"
+TIERS = ("off", "async", "sync")
+# every page but one homed on the host (one page of the largest block size stays on the GPU),
+# and enough pinned host memory for the suite's parallel 8k-token samples
+TIER_ARGS = ["--sparse-tier-gpu-tokens", "32", "--sparse-tier-host-gb", "8"]
 
 
 def launch_args(model_dir: str, block_size: int, storage: str, port: int,
@@ -55,6 +66,20 @@ def launch_args(model_dir: str, block_size: int, storage: str, port: int,
             "--sparse-label-config", labels, *STORAGE_ARGS[storage]]
 
 
+def setting_flags(method: str, budget: int, block_size: int) -> list[str]:
+    """The server flags of one suite method at ``budget``: what its requests would carry in
+    ``custom_params.sparse`` (benchmarks/accuracy/runner.py), as ``--sparse-*`` flags."""
+    from benchmarks.accuracy import runner as R
+
+    setting = R.sparse_settings([method], [budget], block_size)[-1]
+    flags = []
+    for key, value in setting.custom_params["sparse"].items():
+        if key == "block_size" or (key == "head_policy" and value is False):
+            continue  # the launch's --sparse-block-size; a server has no head policy unless given
+        flags += ["--sparse-" + key.replace("_", "-"), str(value)]
+    return flags
+
+
 def wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -69,35 +94,20 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"server not healthy after {timeout:.0f}s")
 
 
-def run_config(args: argparse.Namespace, block_size: int, storage: str) -> str:
-    """One server: the suite at every context; returns the results file."""
-    from benchmarks.accuracy import driver
-
-    # a label file other than the channels names its results: sparse_labels_kpca.json -> _kpca
-    tag = "" if args.labels == DEFAULT_LABELS else \
-        "_" + os.path.splitext(args.labels)[0].removeprefix("sparse_labels_")
-    out = os.path.join(args.out_dir, f"smollm2_b{block_size}_{storage}{tag}.json")
-    port = 30000 + block_size + (1 if storage == "fp8" else 0)
-    log_path = os.path.join(args.out_dir, f"server_b{block_size}_{storage}{tag}.log")
+@contextlib.contextmanager
+def running_server(command: list[str], port: int, log_path: str, start_timeout: float,
+                   what: str) -> Iterator[str]:
+    """A server started with ``command``, healthy, its URL; stopped on the way out. An error
+    inside carries the server log's last lines (its own error, not only what the client saw)."""
     with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            launch_args(args.model_dir, block_size, storage, port, args.context_length,
-                        args.labels),
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
         try:
             t0 = time.time()
-            wait_healthy(f"http://127.0.0.1:{port}", process, args.start_timeout)
-            print(f"[gpu-suite] b{block_size} {storage}: healthy in {time.time() - t0:.0f}s",
-                  flush=True)
-            for context in args.contexts:
-                budgets = sorted({max(2, context // r) for r in args.ratios})
-                driver.main(["--server-url", f"http://127.0.0.1:{port}", "--tasks", *args.tasks,
-                             "--contexts", str(context), "--budgets", *map(str, budgets),
-                             "--methods", *args.methods, "--samples", str(args.samples),
-                             "--block-size", str(block_size), "--parallel", str(args.parallel),
-                             "--out", out, "--time-limit", str(args.minutes_per_context)])
+            wait_healthy(f"http://127.0.0.1:{port}", process, start_timeout)
+            print(f"[gpu-suite] {what}: healthy in {time.time() - t0:.0f}s", flush=True)
+            yield f"http://127.0.0.1:{port}"
         except Exception as e:
-            # the server's own error (its log's last lines), not only what the client saw
             with open(log_path, errors="replace") as f:
                 last = "".join(f.readlines()[-6:]).rstrip()
             raise RuntimeError(f"{e}; {log_path} ends:\n{last}") from e
@@ -107,6 +117,58 @@ def run_config(args: argparse.Namespace, block_size: int, storage: str) -> str:
             except ProcessLookupError:
                 pass  # it exited already (a crash at start-up)
             process.wait(timeout=60)
+
+
+def config_tag(labels: str, tier: str) -> str:
+    """What follows ``smollm2_b<bs>_<storage>`` in a configuration's file names: a label file
+    other than the channels (sparse_labels_kpca.json -> _kpca), then a tier (_tierasync)."""
+    tag = "" if labels == DEFAULT_LABELS else \
+        "_" + os.path.splitext(labels)[0].removeprefix("sparse_labels_")
+    return tag + ("" if tier == "off" else f"_tier{tier}")
+
+
+def run_config(args: argparse.Namespace, block_size: int, storage: str,
+               tier: str = "off") -> str:
+    """One configuration: the suite at every context; returns the results file. Untiered, one
+    server answers every setting per request; tiered, one server per (method, budget)."""
+    from benchmarks.accuracy import driver
+
+    tag = config_tag(args.labels, tier)
+    out = os.path.join(args.out_dir, f"smollm2_b{block_size}_{storage}{tag}.json")
+    port = 30000 + block_size + (1 if storage == "fp8" else 0) + 2 * TIERS.index(tier)
+    launch = launch_args(args.model_dir, block_size, storage, port, args.context_length,
+                         args.labels)
+
+    def suite(url: str, context: int, methods: Sequence[str], budgets: Sequence[int],
+              extra: Sequence[str] = ()) -> None:
+        driver.main(["--server-url", url, "--tasks", *args.tasks, "--contexts", str(context),
+                     "--budgets", *map(str, budgets), "--methods", *methods,
+                     "--samples", str(args.samples), "--block-size", str(block_size),
+                     "--parallel", str(args.parallel), "--out", out,
+                     "--time-limit", str(args.minutes_per_context), *extra])
+
+    def budgets_at(context: int) -> list[int]:
+        return args.budgets or sorted({max(2, context // r) for r in args.ratios})
+
+    if tier == "off":
+        log_path = os.path.join(args.out_dir, f"server_b{block_size}_{storage}{tag}.log")
+        with running_server(launch, port, log_path, args.start_timeout,
+                            f"b{block_size} {storage}{tag}") as url:
+            for context in args.contexts:
+                suite(url, context, args.methods, budgets_at(context))
+        return out
+    # the tier refuses per-request settings: a server per (method, budget), settings as flags
+    tiered = [*launch, "--sparse-tier", tier, *TIER_ARGS]
+    for budget in sorted({b for c in args.contexts for b in budgets_at(c)}):
+        contexts = [c for c in args.contexts if budget in budgets_at(c)]
+        for method in args.methods:
+            log_path = os.path.join(args.out_dir, f"server_b{block_size}_{storage}{tag}_"
+                                                  f"{method}_{budget}.log")
+            with running_server([*tiered, *setting_flags(method, budget, block_size)], port,
+                                log_path, args.start_timeout,
+                                f"b{block_size} {storage}{tag} {method}@{budget}") as url:
+                for context in contexts:
+                    suite(url, context, [method], [budget], ["--server-setting"])
     return out
 
 
@@ -116,14 +178,17 @@ def combine(paths: Sequence[str], out: str) -> dict:
     for path in paths:
         with open(path) as f:
             doc = json.load(f)
-        # smollm2_b32_bf16.json, or with a label basis smollm2_b32_bf16_kpca.json
+        # smollm2_b32_bf16.json; with a label basis _kpca, with a tier _tierasync (config_tag)
         stem = os.path.basename(path)[len("smollm2_b"):-len(".json")]
-        block_size, storage, *basis = stem.split("_")
+        block_size, storage, *rest = stem.split("_")
+        tiers = [t.removeprefix("tier") for t in rest if t.startswith("tier")]
+        basis = [t for t in rest if not t.startswith("tier")]
         configs.append({"file": os.path.basename(path), "commit": doc.get("commit"),
                         "server": doc.get("config", {}).get("server")})
         for r in doc["rows"]:
             rows.append({"impl": "triton", "block_size": int(block_size), "storage": storage,
                          "labels": basis[0] if basis else "channels",
+                         "tier": tiers[0] if tiers else "off",
                          "budget_share": (r["budget"] / r["context"]) if r["budget"] else None,
                          **{k: r.get(k) for k in ("method", "context", "budget", "task",
                                                   "score", "n", "ci_low", "ci_high",
@@ -131,11 +196,39 @@ def combine(paths: Sequence[str], out: str) -> dict:
     from benchmarks.results_io import gpu_name
 
     doc = {"model": "SmolLM2-135M-Instruct", "gpu": gpu_name(), "configs": configs, "rows": rows}
+    if any(r["tier"] != "off" for r in rows):
+        doc["tier_gaps"] = tier_gaps(rows)
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
     plot(doc, out[:-len(".json")] + ".png")
     return doc
+
+
+def tier_gaps(rows: Sequence[dict]) -> dict:
+    """Per tier: each tiered row beside the untiered row of the same configuration, method,
+    budget, context and task (the same samples: the suite draws them by index), the points
+    lost, and the mean over the cells weighted by samples."""
+    def key(r: dict) -> tuple:
+        return (r["block_size"], r["storage"], r.get("labels", "channels"), r["method"],
+                r["budget"], r["context"], r["task"])
+
+    untiered = {key(r): r for r in rows if r.get("tier", "off") == "off" and r["budget"]}
+    out: dict = {}
+    for r in rows:
+        base = untiered.get(key(r))
+        if r.get("tier", "off") == "off" or base is None:
+            continue
+        out.setdefault(r["tier"], []).append(
+            {"method": r["method"], "budget": r["budget"], "context": r["context"],
+             "task": r["task"], "n": r["n"], "untiered_n": base["n"], "score": r["score"],
+             "untiered_score": base["score"], "gap": round(r["score"] - base["score"], 2)})
+    summary = {}
+    for tier, cells in out.items():
+        weight = sum(c["n"] for c in cells)
+        summary[tier] = {"mean_gap": round(sum(c["gap"] * c["n"] for c in cells) / weight, 2),
+                         "cells": cells}
+    return summary
 
 
 def plot(doc: dict, path: str) -> None:
@@ -149,7 +242,8 @@ def plot(doc: dict, path: str) -> None:
     rows = doc["rows"]
     contexts = sorted({r["context"] for r in rows})
     # (block, storage, labels); files before the label basis have no "labels": the channels
-    configs = sorted({(r["block_size"], r["storage"], r.get("labels", "channels")) for r in rows})
+    configs = sorted({(r["block_size"], r["storage"], r.get("labels", "channels"),
+                       r.get("tier", "off")) for r in rows})
     fig, axes = plt.subplots(1, len(contexts), figsize=(4.2 * len(contexts), 3.6), squeeze=False,
                              sharey=True, layout="constrained")
     for ax, ctx in zip(axes[0], contexts):
@@ -157,18 +251,19 @@ def plot(doc: dict, path: str) -> None:
         dense = [r["score"] for r in at if r["method"] == "dense"]
         if dense:
             ax.axhline(sum(dense) / len(dense), color="black", ls="--", lw=1, label="dense")
-        for bs, storage, labels in configs:
+        for bs, storage, labels, tier in configs:
             for method in sorted({r["method"] for r in at if r["budget"]}):
                 pts: dict = {}
                 for r in at:
-                    if (r["method"], r["block_size"], r["storage"],
-                            r.get("labels", "channels")) == (method, bs, storage, labels):
+                    if (r["method"], r["block_size"], r["storage"], r.get("labels", "channels"),
+                            r.get("tier", "off")) == (method, bs, storage, labels, tier):
                         pts.setdefault(r["budget_share"], []).append(r["score"])
                 xs = sorted(pts)
                 if not xs:
                     continue
                 ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], marker="o", ms=3,
-                        label=f"{method} b{bs} {storage}, {labels} labels")
+                        label=f"{method} b{bs} {storage}, {labels} labels"
+                              + ("" if tier == "off" else f", {tier} tier"))
         ax.set_xscale("log", base=2)
         ax.set_title(f"context {ctx}", fontsize=9)
         ax.set_xlabel("budget / context", fontsize=8)
@@ -192,6 +287,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--contexts", nargs="+", type=int, default=[2048, 4096, 8000])
     p.add_argument("--ratios", nargs="+", type=int, default=[16, 32, 64],
                    help="budgets are context / ratio")
+    p.add_argument("--budgets", nargs="+", type=int, default=None,
+                   help="fixed budgets instead of context / ratio (a tiered configuration "
+                        "starts a server per budget: one budget across the contexts is cheaper)")
+    p.add_argument("--tiers", nargs="+", default=["off"], choices=TIERS,
+                   help="configurations without the CPU tier (off) and with it, every page but "
+                        "one on the host; the combined file's tier_gaps compare them")
     p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS))
     p.add_argument("--methods", nargs="+", default=["two_level", "two_level_rerank4",
                                                     "two_level_bound", "ds", "ds_rerank4"])
@@ -209,14 +310,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     done = []
     for block_size in args.block_sizes:
         for storage in args.storages:
-            try:
-                done.append(run_config(args, block_size, storage))
-            except Exception as e:  # noqa: BLE001 - one failed server must not lose the others
-                print(f"[gpu-suite] b{block_size} {storage} failed: {e}", file=sys.stderr,
-                      flush=True)
+            for tier in args.tiers:
+                try:
+                    done.append(run_config(args, block_size, storage, tier))
+                except Exception as e:  # noqa: BLE001 - one failed server must not lose others
+                    print(f"[gpu-suite] b{block_size} {storage} tier {tier} failed: {e}",
+                          file=sys.stderr, flush=True)
     if args.combined and done:
-        combine(done, args.combined)
-    return 0 if len(done) == len(args.block_sizes) * len(args.storages) else 1
+        doc = combine(done, args.combined)
+        for tier, gaps in doc.get("tier_gaps", {}).items():
+            print(f"[gpu-suite] {tier} tier vs untiered: {gaps['mean_gap']:+.2f} points over "
+                  f"{len(gaps['cells'])} cells", flush=True)
+    return 0 if len(done) == len(args.block_sizes) * len(args.storages) * len(args.tiers) else 1
 
 
 if __name__ == "__main__":
