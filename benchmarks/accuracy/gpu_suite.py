@@ -270,7 +270,9 @@ def plot(doc: dict, path: str) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("mean score over tasks", fontsize=8)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=7, frameon=False)
+    # a narrow figure (few contexts) fits two of the long labels per line, not four
+    fig.legend(handles, labels, loc="outside lower center", ncol=2 if len(contexts) < 3 else 4,
+               fontsize=7, frameon=False)
     fig.suptitle(f"{doc['model']} on the GPU path (Triton, CUDA graphs)", fontsize=9)
     fig.savefig(path, dpi=110)
     plt.close(fig)
