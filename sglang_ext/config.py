@@ -58,6 +58,7 @@ class SparseConfig:
     tier_host_gb: float = 0.0  # 0 = auto: half of the host memory available at start-up
     tier_gpu_tokens: int = 0  # 0 = auto: what the GPU holds after the working area
     tier_timing: str = "off"  # stream-clock timing of the tier's transfers: see ON_OFF
+    tier_sync_steps: int = 0  # async tier: a request's first steps fetched on the critical path
     # The tier admission's PCIe term (memory_tier/transfer_budget.py): a step may move
     # tier_pcie_gbps x tier_step_ms. On the H200 (PCIe 5 x16) the tier's gather moved 55.6 GB/s
     # contiguous and ~51 GB/s of random 4 KiB blocks beside a decode attention
@@ -229,6 +230,12 @@ _FLAGS: tuple[tuple[str, str, str, str], ...] = (
     ("tier_step_ms", "--sparse-tier-step-ms", "MS",
      "The decode step time (milliseconds) the tier's per-step transfers must fit in, for the "
      "PCIe term of --sparse-tier-pcie-gbps."),
+    ("tier_sync_steps", "--sparse-tier-sync-steps", "STEPS",
+     "With --sparse-tier async: a request's first STEPS decode steps fetch the blocks their own "
+     "query selects before attending them (the sync schedule), later steps attend the previous "
+     "step's blocks while the next ones are prefetched. A short answer is decoded in its first "
+     "steps, where the lagged schedule attends the preloaded blocks and then a stale selection. "
+     "0 = every step async."),
     ("tier_timing", "--sparse-tier-timing", "{off,on}",
      "Time the tier's transfers on the GPU's own clock, inside the decode CUDA graph (a few "
      "tiny kernels per layer): transfer seconds, the part the step waited for, and the hidden "
@@ -462,6 +469,10 @@ def _validate(cfg: SparseConfig) -> None:
         fail("tier_pcie_gbps", "must be >= 0 (0 = no PCIe term)")
     if cfg.tier_step_ms <= 0:
         fail("tier_step_ms", "must be > 0")
+    if cfg.tier_sync_steps < 0:
+        fail("tier_sync_steps", "must be >= 0 (0 = every step async)")
+    if cfg.tier_sync_steps and cfg.tier != "async":
+        fail("tier_sync_steps", "needs --sparse-tier async (sync fetches every step already)")
     if cfg.tier_timing not in ON_OFF:
         fail("tier_timing", f"must be one of {', '.join(ON_OFF)}")
     if cfg.tier_timing == "on" and cfg.tier == "off":

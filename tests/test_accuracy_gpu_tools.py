@@ -115,6 +115,23 @@ def test_tiered_rows_pair_with_the_untiered_rows_of_the_same_cells(tmp_path):
     assert gaps["mean_gap"] == round(-10.0 * 40 / 60, 2)  # weighted by the tiered samples
 
 
+def test_the_async_tiers_in_line_first_steps_are_a_tier_of_their_own(tmp_path):
+    from benchmarks.accuracy.gpu_suite import config_tag
+
+    assert config_tag("sparse_labels_kpca.json", "async", 4) == "_kpca_tierasync_sync4"
+    assert config_tag("sparse_labels_kpca.json", "sync", 4) == "_kpca_tiersync"
+    rows = [_row("two_level", 256, 70, 52, 83, n=40)]
+    paths = []
+    for tag in ("_kpca", "_kpca_tierasync", "_kpca_tierasync_sync4"):
+        path = tmp_path / f"smollm2_b32_bf16{tag}.json"
+        path.write_text(json.dumps({"rows": rows}))
+        paths.append(str(path))
+    doc = combine(paths, str(tmp_path / "all.json"))
+    assert {r["tier"] for r in doc["rows"]} == {"off", "async", "async_sync4"}
+    assert {r["labels"] for r in doc["rows"]} == {"kpca"}
+    assert set(doc["tier_gaps"]) == {"async", "async_sync4"}
+
+
 def test_the_driver_takes_the_servers_own_setting_only_from_one_named_server():
     from benchmarks.accuracy.driver import parse_args
 

@@ -65,7 +65,8 @@ SERVER_GPU = Shape(layers=3, kv_heads=4, group=5, head_dim=128, page_size=16, si
 
 class Run:
     def __init__(self, params: SelectionParams, mode: str, prompt_lens: list[int], steps: int,
-                 shape: Shape = SMALL, kv_dtype: torch.dtype = DTYPE, labels: bool = False):
+                 shape: Shape = SMALL, kv_dtype: torch.dtype = DTYPE, labels: bool = False,
+                 sync_steps: int = 0):
         self.params, self.steps, self.shape, self.kv_dtype = params, steps, shape, kv_dtype
         sh, ps = shape, shape.page_size
         dev = self.device = torch.device(sh.device)
@@ -81,7 +82,7 @@ class Run:
             num_slots=max(k_blocks, 1), sink=sh.sink, window=sh.window,
             side_tokens_per_token=1 / ps, gpu_tokens=ps)  # page 0 only: all KV on the host
         self.pool = TieredKVPool(ps, kv_dtype, sh.kv_heads, sh.head_dim, sh.layers, sh.device, False,
-                                 layout=layout, mode=mode)
+                                 layout=layout, mode=mode, sync_steps=sync_steps)
         logical = layout.logical_tokens
         # Requests' logical pages: host-homed (>= 1), in a scattered order.
         perm = (torch.randperm(logical // ps - 1, generator=self.gen) + 1)[: len(self.rows) * pages_per_row]
@@ -420,6 +421,39 @@ def test_gpu_tier_at_served_shapes_equals_the_untiered_decode(mode: str, labels:
                              rerank_min_tokens=0)
     run = Run(params, mode, prompt_lens=lens, steps=16, shape=sh, labels=labels)
     run.prefill_decode_and_compare(f"{mode} labels={labels}")
+
+
+@pytest.mark.parametrize("method", ["two_level", "quest"])
+@pytest.mark.parametrize("sync_steps", [0, 3])
+def test_async_first_steps_fetched_in_line_decode_exactly(method: str, sync_steps: int) -> None:
+    """``--sparse-tier-sync-steps``: under ``async`` a request's first N steps fetch their own
+    selection before attending it, so at a budget well under the context they equal the
+    untiered decode bit for bit; later steps attend the previous step's blocks again and
+    differ. Without it (N = 0) the lagged schedule already differs in the first steps."""
+    ps, sink, window = SMALL.page_size, SMALL.sink, SMALL.window
+    params = SelectionParams(method, 24, ps, 3 if method == "two_level" else 1, sink, window)
+    run = Run(params, "async", prompt_lens=[45, 30], steps=6, sync_steps=sync_steps)
+    run.prefill()
+    exact = [all(torch.equal(got, want) for got, want in run.decode_step())
+             for _ in range(run.steps)]
+    if sync_steps:
+        assert exact[:3] == [True] * 3, exact
+    else:
+        assert not all(exact[:3]), exact
+    assert not all(exact[3:]), exact  # the lag is back after the first steps
+    assert run.pool.tier.read_stats()["transferred_blocks"] > 0
+    run.finish()
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_async_first_steps_fetched_in_line_at_served_shapes() -> None:
+    """The in-line first steps on the GPU at served shapes, beside the side stream's prefetch:
+    at a budget under the context they equal the untiered decode."""
+    sh = SERVER_GPU
+    params = SelectionParams("two_level", 256, sh.page_size, 80, sh.sink, sh.window)
+    run = Run(params, "async", prompt_lens=[1500, 1100], steps=4, shape=sh, sync_steps=4)
+    run.prefill_decode_and_compare("async, first 4 steps in line")
 
 
 @pytest.mark.parametrize("method, mode, budget", [

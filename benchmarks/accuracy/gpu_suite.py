@@ -119,12 +119,15 @@ def running_server(command: list[str], port: int, log_path: str, start_timeout: 
             process.wait(timeout=60)
 
 
-def config_tag(labels: str, tier: str) -> str:
+def config_tag(labels: str, tier: str, sync_steps: int = 0) -> str:
     """What follows ``smollm2_b<bs>_<storage>`` in a configuration's file names: a label file
-    other than the channels (sparse_labels_kpca.json -> _kpca), then a tier (_tierasync)."""
+    other than the channels (sparse_labels_kpca.json -> _kpca), then a tier (_tierasync), then
+    the async tier's in-line first steps (_sync4)."""
     tag = "" if labels == DEFAULT_LABELS else \
         "_" + os.path.splitext(labels)[0].removeprefix("sparse_labels_")
-    return tag + ("" if tier == "off" else f"_tier{tier}")
+    if tier == "off":
+        return tag
+    return tag + f"_tier{tier}" + (f"_sync{sync_steps}" if tier == "async" and sync_steps else "")
 
 
 def run_config(args: argparse.Namespace, block_size: int, storage: str,
@@ -133,7 +136,8 @@ def run_config(args: argparse.Namespace, block_size: int, storage: str,
     server answers every setting per request; tiered, one server per (method, budget)."""
     from benchmarks.accuracy import driver
 
-    tag = config_tag(args.labels, tier)
+    sync_steps = getattr(args, "tier_sync_steps", 0)
+    tag = config_tag(args.labels, tier, sync_steps)
     out = os.path.join(args.out_dir, f"smollm2_b{block_size}_{storage}{tag}.json")
     port = 30000 + block_size + (1 if storage == "fp8" else 0) + 2 * TIERS.index(tier)
     launch = launch_args(args.model_dir, block_size, storage, port, args.context_length,
@@ -159,6 +163,8 @@ def run_config(args: argparse.Namespace, block_size: int, storage: str,
         return out
     # the tier refuses per-request settings: a server per (method, budget), settings as flags
     tiered = [*launch, "--sparse-tier", tier, *TIER_ARGS]
+    if tier == "async" and sync_steps:
+        tiered += ["--sparse-tier-sync-steps", str(sync_steps)]
     for budget in sorted({b for c in args.contexts for b in budgets_at(c)}):
         contexts = [c for c in args.contexts if budget in budgets_at(c)]
         for method in args.methods:
@@ -182,7 +188,10 @@ def combine(paths: Sequence[str], out: str) -> dict:
         stem = os.path.basename(path)[len("smollm2_b"):-len(".json")]
         block_size, storage, *rest = stem.split("_")
         tiers = [t.removeprefix("tier") for t in rest if t.startswith("tier")]
-        basis = [t for t in rest if not t.startswith("tier")]
+        sync = [t for t in rest if t.startswith("sync")]  # async's in-line first steps
+        basis = [t for t in rest if not t.startswith(("tier", "sync"))]
+        if tiers and sync:
+            tiers = [f"{tiers[0]}_{sync[0]}"]  # async_sync4: a tier of its own in tier_gaps
         configs.append({"file": os.path.basename(path), "commit": doc.get("commit"),
                         "server": doc.get("config", {}).get("server")})
         for r in doc["rows"]:
@@ -295,6 +304,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--tiers", nargs="+", default=["off"], choices=TIERS,
                    help="configurations without the CPU tier (off) and with it, every page but "
                         "one on the host; the combined file's tier_gaps compare them")
+    p.add_argument("--tier-sync-steps", type=int, default=0,
+                   help="the async tier's servers decode each request's first STEPS steps "
+                        "with in-line fetches (--sparse-tier-sync-steps; files end in _sync4)")
     p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS))
     p.add_argument("--methods", nargs="+", default=["two_level", "two_level_rerank4",
                                                     "two_level_bound", "ds", "ds_rerank4"])

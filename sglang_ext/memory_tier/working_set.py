@@ -22,6 +22,10 @@ quest's blocks). Two schedules (``mode``):
   The update runs after the layer's attention, so it may evict ``C_{t-1}``: no double
   buffering is needed and ``num_slots`` equals the block filter's k. A request's first step
   attends the blocks its pool preloaded (:meth:`WorkingSetTier.preload`).
+* ``async`` with ``sync_steps = N > 0``: a request's first N decode steps run the ``sync``
+  schedule (its ``C_t`` fetched before the token stage and attended), later ones the ``async``
+  one. A short answer is decoded in its first steps, where the lagged schedule would attend the
+  preloaded blocks and then a one-step-stale selection; those steps' transfers are exposed.
 
 Everything a step launches has static shapes and no host sync, so it is captured in the
 decode CUDA graph with the rest of the step (the side stream forks and joins inside it).
@@ -70,10 +74,15 @@ class WorkingSetTier:
         gather_programs: Optional[int] = None,
         host_page_offset: int = 0,
         timing: bool = False,
+        sync_steps: int = 0,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
+        if sync_steps < 0 or (sync_steps and mode != "async"):
+            raise ValueError(f"sync_steps must be >= 0 and only with mode async (got "
+                             f"{sync_steps} with {mode})")
         self.mode = mode
+        self.sync_steps = sync_steps
         self.gather_programs = gather_programs  # SMs the async gather may occupy (None: all)
         self.host_page_offset = host_page_offset  # logical page - offset = host page
         self.num_layers = num_layers
@@ -89,6 +98,13 @@ class WorkingSetTier:
         self.slot_block = torch.full((max_rows, num_layers, num_kv_heads, num_slots), -1, **i32)
         self.slot_pages = torch.full((max_rows, num_slots), -1, **i32)
         self.tiered = torch.zeros(max_rows, **i32)
+        # async with sync_steps: decode steps each row has run (saturating at sync_steps), and
+        # per step the tiered rows still in their first sync_steps steps (fresh: fetched on the
+        # critical path) and the others (stale: prefetched after the layer), as 0/1 per row.
+        self.decoded_steps = torch.zeros(max_rows, **i32)
+        self._fresh_tiered = torch.zeros(max_rows, **i32)
+        self._stale_tiered = torch.zeros(max_rows, **i32)
+        self._fresh_rows = torch.zeros(max_batch, **i32)
         # async: the blocks each (row, layer, head) attends at its next step (C_{t-1}).
         self.attend_rows = torch.full((max_rows, num_layers, num_kv_heads, num_slots), -1, **i32)
         # per step scratch (static addresses for CUDA graphs)
@@ -134,6 +150,7 @@ class WorkingSetTier:
         self.slot_pages[row] = slot_pages.to(self.slot_pages)
         self.slot_block[row] = -1
         self.attend_rows[row] = -1
+        self.decoded_steps[row] = 0
         self.tiered[row] = 1
         if self.clock is not None and not self._clock_started:
             # The clock counts from the first tiered request: before it, SGLang's CUDA-graph
@@ -164,6 +181,7 @@ class WorkingSetTier:
         self.slot_block[row] = -1
         self.slot_pages[row] = -1
         self.attend_rows[row] = -1
+        self.decoded_steps[row] = 0
 
     # ------------------------------------------------------------ per step, per layer
 
@@ -186,13 +204,26 @@ class WorkingSetTier:
             return fetch_now, None
 
         wanted = self._wanted[layer, :batch]
-
-        def remember(blocks: Tensor) -> None:
-            wanted.copy_(blocks)
-
         attend = self._attend[layer, :batch]
         torch.index_select(self.attend_rows[:, layer], 0, req_pool_indices, out=attend)
-        return remember, attend
+        if not self.sync_steps:
+            def remember(blocks: Tensor) -> None:
+                wanted.copy_(blocks)
+            return remember, attend
+
+        if layer == 0:  # this step's split of the tiered rows, for every layer
+            fresh = self.decoded_steps < self.sync_steps
+            torch.mul(self.tiered, fresh, out=self._fresh_tiered)
+            torch.mul(self.tiered, ~fresh, out=self._stale_tiered)
+        fresh_rows = self._fresh_rows[:batch]
+        torch.index_select(self._fresh_tiered, 0, req_pool_indices, out=fresh_rows)
+
+        def fetch_fresh_rows_now(blocks: Tensor) -> None:
+            wanted.copy_(blocks)
+            self._timed_fetch(layer, blocks, req_pool_indices, req_to_token, k_buffer,
+                              v_buffer, exposed=True, tiered=self._fresh_tiered)
+            attend.copy_(torch.where(fresh_rows[:, None, None] != 0, blocks, attend))
+        return fetch_fresh_rows_now, attend
 
     def after_layer(
         self, layer: int, req_pool_indices: Tensor, req_to_token: Tensor,
@@ -203,17 +234,24 @@ class WorkingSetTier:
             return
         batch = req_pool_indices.shape[0]
         wanted = self._wanted[layer, :batch]
+        # with sync_steps the fresh rows fetched C_t already: the rest prefetch it
+        tiered = self._stale_tiered if self.sync_steps else self.tiered
         if self._side is not None:
             self._side.wait_stream(torch.cuda.current_stream(self.device))
             self._forked = True
             with torch.cuda.stream(self._side):
                 self._timed_fetch(layer, wanted, req_pool_indices, req_to_token, k_buffer,
-                                  v_buffer, exposed=False)
+                                  v_buffer, exposed=False, tiered=tiered)
                 self.attend_rows[:, layer].index_copy_(0, req_pool_indices, wanted)
         else:  # no side stream (CPU): the fetch runs in line, nothing hides it
             self._timed_fetch(layer, wanted, req_pool_indices, req_to_token, k_buffer, v_buffer,
-                              exposed=True)
+                              exposed=True, tiered=tiered)
             self.attend_rows[:, layer].index_copy_(0, req_pool_indices, wanted)
+        if self.sync_steps and layer == self.num_layers - 1:
+            # padded graph rows repeat a real row: every copy writes the same value
+            steps = self.decoded_steps.index_select(0, req_pool_indices)
+            self.decoded_steps.index_copy_(0, req_pool_indices,
+                                           (steps + 1).clamp_(max=self.sync_steps))
 
     def finish_step(self) -> None:
         """The fence: the compute stream waits for every prefetch of this step (with timing, the
@@ -228,35 +266,41 @@ class WorkingSetTier:
 
     def _timed_fetch(self, layer: int, blocks: Tensor, req_pool_indices: Tensor,
                      req_to_token: Tensor, k_buffer: Tensor, v_buffer: Tensor,
-                     exposed: bool) -> None:
+                     exposed: bool, tiered: Optional[Tensor] = None) -> None:
         """:meth:`_fetch` on the current stream, timed when ``timing`` is on; ``exposed``: it
         runs where the step waits for it (not on the side stream)."""
         if self.clock is None:
-            self._fetch(layer, blocks, req_pool_indices, req_to_token, k_buffer, v_buffer)
+            self._fetch(layer, blocks, req_pool_indices, req_to_token, k_buffer, v_buffer,
+                        exposed, tiered)
             return
         self.clock.mark(_FETCH_START)
-        self._fetch(layer, blocks, req_pool_indices, req_to_token, k_buffer, v_buffer)
+        self._fetch(layer, blocks, req_pool_indices, req_to_token, k_buffer, v_buffer, exposed,
+                    tiered)
         self.clock.add_since(_FETCH_START, _TRANSFER_NS)
         if exposed:
             self.clock.add_since(_FETCH_START, _EXPOSED_NS)
 
     def _fetch(self, layer: int, blocks: Tensor, req_pool_indices: Tensor, req_to_token: Tensor,
-               k_buffer: Tensor, v_buffer: Tensor) -> None:
+               k_buffer: Tensor, v_buffer: Tensor, critical: bool,
+               tiered: Optional[Tensor] = None) -> None:
+        """Make ``blocks`` resident for the rows marked in ``tiered`` (default: every tiered
+        row; the others are left as they are); ``critical``: the step waits for it."""
         batch = blocks.shape[0]
         if blocks.shape[-1] != self.num_slots:
             raise ValueError(f"the block filter keeps {blocks.shape[-1]} blocks per head but the "
                              f"tier has {self.num_slots} working-set slots")
         src, dst = self._src[layer, :batch], self._dst[layer, :batch]
         update_working_set(
-            blocks, req_pool_indices, self.tiered, self.page_maps[:, layer],
+            blocks, req_pool_indices, self.tiered if tiered is None else tiered,
+            self.page_maps[:, layer],
             self.slot_block[:, layer], self.slot_pages, req_to_token, self.page_size,
             src_pages=src, dst_pages=dst, stats=self.stats, host_page_offset=self.host_page_offset,
             ring_pages=self.ring_pages, ring_blocks=self.ring_blocks,
         )
-        # sync: the copy is on the critical path, give it every SM; async: it runs beside the
+        # on the critical path the copy gets every SM; on the side stream it runs beside the
         # next layers' kernels, so a few persistent programs (the gather's default) suffice.
         programs = self.gather_programs if self.gather_programs is not None else (
-            None if self.mode == "sync" else DEFAULT_MAX_PROGRAMS)
+            None if critical else DEFAULT_MAX_PROGRAMS)
         self.host.load(layer, self._heads[:batch].reshape(-1), src.reshape(-1), dst.reshape(-1),
                        k_buffer, v_buffer, max_programs=programs)
 
