@@ -131,12 +131,11 @@ def config_tag(labels: str, tier: str, sync_steps: int = 0) -> str:
 
 
 def run_config(args: argparse.Namespace, block_size: int, storage: str,
-               tier: str = "off") -> str:
+               tier: str = "off", sync_steps: int = 0) -> str:
     """One configuration: the suite at every context; returns the results file. Untiered, one
     server answers every setting per request; tiered, one server per (method, budget)."""
     from benchmarks.accuracy import driver
 
-    sync_steps = getattr(args, "tier_sync_steps", 0)
     tag = config_tag(args.labels, tier, sync_steps)
     out = os.path.join(args.out_dir, f"smollm2_b{block_size}_{storage}{tag}.json")
     port = 30000 + block_size + (1 if storage == "fp8" else 0) + 2 * TIERS.index(tier)
@@ -304,9 +303,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--tiers", nargs="+", default=["off"], choices=TIERS,
                    help="configurations without the CPU tier (off) and with it, every page but "
                         "one on the host; the combined file's tier_gaps compare them")
-    p.add_argument("--tier-sync-steps", type=int, default=0,
+    p.add_argument("--tier-sync-steps", nargs="+", type=int, default=[0],
                    help="the async tier's servers decode each request's first STEPS steps "
-                        "with in-line fetches (--sparse-tier-sync-steps; files end in _sync4)")
+                        "with in-line fetches (--sparse-tier-sync-steps; files end in _sync4); "
+                        "several values: an async configuration each (0: plain async)")
     p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS))
     p.add_argument("--methods", nargs="+", default=["two_level", "two_level_rerank4",
                                                     "two_level_bound", "ds", "ds_rerank4"])
@@ -321,12 +321,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     os.environ["SGLANG_EXT_MODEL_DIR"] = args.model_dir  # the driver's tokenizer
     os.makedirs(args.out_dir, exist_ok=True)
+    # (tier, in-line first steps): the async tier once per --tier-sync-steps value
+    configurations = [(tier, steps) for tier in args.tiers
+                      for steps in (args.tier_sync_steps if tier == "async" else [0])]
     done = []
     for block_size in args.block_sizes:
         for storage in args.storages:
-            for tier in args.tiers:
+            for tier, sync_steps in configurations:
                 try:
-                    done.append(run_config(args, block_size, storage, tier))
+                    done.append(run_config(args, block_size, storage, tier, sync_steps))
                 except Exception as e:  # noqa: BLE001 - one failed server must not lose others
                     print(f"[gpu-suite] b{block_size} {storage} tier {tier} failed: {e}",
                           file=sys.stderr, flush=True)
@@ -335,7 +338,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for tier, gaps in doc.get("tier_gaps", {}).items():
             print(f"[gpu-suite] {tier} tier vs untiered: {gaps['mean_gap']:+.2f} points over "
                   f"{len(gaps['cells'])} cells", flush=True)
-    return 0 if len(done) == len(args.block_sizes) * len(args.storages) * len(args.tiers) else 1
+    wanted = len(args.block_sizes) * len(args.storages) * len(configurations)
+    return 0 if len(done) == wanted else 1
 
 
 if __name__ == "__main__":
