@@ -135,8 +135,10 @@ def _update_working_set_kernel(
         tl.store(map_base + sblk, fallback, mask=taken)
         free_before += tl.sum(free.to(tl.int32), axis=0)
 
-    got = miss & (dst_slot >= 0)
-    dst_page = tl.load(SLOT_PAGES + row * stride_pr + dst_slot, mask=got, other=-1)
+    has_slot = miss & (dst_slot >= 0)
+    dst_page = tl.load(SLOT_PAGES + row * stride_pr + dst_slot, mask=has_slot, other=-1)
+    # a row whose slots were taken away (released) maps and moves nothing
+    got = has_slot & (dst_page >= 0)
     tl.debug_barrier()  # evictions above land before the new mappings below
     tl.store(map_base + cand, dst_page, mask=got)
     tl.store(sb_base + dst_slot, cand, mask=got)
@@ -259,6 +261,8 @@ def update_working_set_ref(
                 if holds[s]:
                     still = bool(ring) and ring_of[old % len(ring)] == old
                     ws_map[row, g, old] = ring[old % len(ring)] if still else -1
+                if page < 0:  # a released row's slots: nothing mapped, nothing moved
+                    continue
                 blk = wanted[i]
                 ws_map[row, g, blk] = page
                 slot_block[row, g, s] = blk

@@ -238,3 +238,27 @@ def test_stats_count_host_homed_wanted_blocks_apart():
         update_working_set(cand.to(DEVICE), req_pool_indices.to(DEVICE), ker.tiered, ker.ws_map,
                            ker.slot_block, ker.slot_pages, ker.req_to_token, bs,
                            stats=torch.zeros(2, dtype=torch.int64, device=DEVICE))
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_a_row_without_slot_pages_maps_and_moves_nothing(device):
+    """A row still marked tiered whose slot pages are gone (a request released while a step
+    that holds it is in flight): no miss is mapped to page -1 and no transfer targets it, in
+    the kernel as in the oracle; the other rows are served as usual."""
+    gen = case_generator("ws-released")
+    rows, heads, num_cand, max_blocks, bs = 4, 2, 5, 16, 4
+    ref = TierState(gen, rows, heads, max_blocks, num_cand, bs, [1, 2])
+    ref.slot_pages[2] = -1
+    ker = ref.clone().to(device)
+    cand = _random_cand(gen, 2, heads, num_cand, max_blocks)
+    rpi = torch.tensor([1, 2], dtype=torch.int64)
+    src_r, dst_r = update_working_set_ref(cand, rpi, ref.tiered, ref.ws_map, ref.slot_block,
+                                          ref.slot_pages, ref.req_to_token, bs)
+    src_k, dst_k = update_working_set(cand.to(device), rpi.to(device), ker.tiered, ker.ws_map,
+                                      ker.slot_block, ker.slot_pages, ker.req_to_token, bs)
+    for got, want in ((src_k, src_r), (dst_k, dst_r), (ker.ws_map, ref.ws_map),
+                      (ker.slot_block, ref.slot_block)):
+        assert torch.equal(got.cpu(), want)
+    assert (src_r[1] == -1).all() and (dst_r[1] == -1).all()
+    assert (ref.ws_map[2] == -1).all() and (ref.slot_block[2] == -1).all()
+    assert (dst_r[0] >= 0).any()  # row 1 still fetched its misses

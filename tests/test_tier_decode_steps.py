@@ -447,13 +447,18 @@ def test_async_first_steps_fetched_in_line_decode_exactly(sync_steps: int) -> No
 
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_async_first_steps_fetched_in_line_at_served_shapes() -> None:
+@pytest.mark.parametrize("labels", [False, True], ids=["keys", "label_cache_rerank4"])
+def test_gpu_async_first_steps_fetched_in_line_at_served_shapes(labels: bool) -> None:
     """The in-line first steps on the GPU at served shapes, beside the side stream's prefetch:
-    at a budget under the context they equal the untiered decode."""
+    at a budget under the context they equal the untiered decode (with the label cache and the
+    rerank 4 too: the recommended setting)."""
     sh = SERVER_GPU
-    params = SelectionParams("two_level", 256, sh.page_size, 80, sh.sink, sh.window)
-    run = Run(params, "async", prompt_lens=[1500, 1100], steps=4, shape=sh, sync_steps=4)
-    run.prefill_decode_and_compare("async, first 4 steps in line")
+    params = SelectionParams("two_level", 256, sh.page_size, 80, sh.sink, sh.window,
+                             block_score="label_max" if labels else "bound",
+                             rerank=4 if labels else 0, rerank_min_tokens=0)
+    run = Run(params, "async", prompt_lens=[1500, 1100], steps=4, shape=sh, sync_steps=4,
+              labels=labels)
+    run.prefill_decode_and_compare(f"async, first 4 steps in line, labels={labels}")
 
 
 @pytest.mark.parametrize("method, mode, budget", [
@@ -495,3 +500,35 @@ def test_gpu_fp8_tier_decodes_what_an_fp8_pool_decodes(mode: str) -> None:
             for layer, (got, want) in enumerate(run.decode_step()):
                 assert torch.equal(got, want), f"{mode} {budget}: step {step} layer {layer}"
         run.finish()
+
+
+def test_a_release_waits_for_the_forward_that_may_still_hold_the_request(monkeypatch) -> None:
+    """SGLang's overlap scheduler frees a request that finished at step t from its schedule
+    stream while step t+1, which may still decode it, runs on the forward stream: the tier
+    orders the release's device writes (its tables cleared) after that forward."""
+    ps, sink, window = SMALL.page_size, SMALL.sink, SMALL.window
+    params = SelectionParams("two_level", 24, ps, 3, sink, window)
+    run = Run(params, "async", prompt_lens=[45, 30], steps=1, sync_steps=2)
+    run.prefill()
+    run.decode_step()
+    events: list[str] = []
+
+    class FakeStream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_stream(self, other: "FakeStream") -> None:
+            events.append(f"{self.name} waits for {other.name}")
+
+    schedule = FakeStream("schedule")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: schedule)
+    run.pool._forward_stream = FakeStream("forward")  # what note_forward_stream records
+    detach = run.pool.tier.detach
+    monkeypatch.setattr(run.pool.tier, "detach",
+                        lambda row: (events.append(f"detach {row}"), detach(row)))
+    run.pool.release_row(run.rows[0], run.req_to_token)
+    assert events == ["schedule waits for forward", f"detach {run.rows[0]}"]
+    monkeypatch.undo()
+    run.pool._forward_stream = None  # a CPU pool records none
+    run.pool.release_row(run.rows[1], run.req_to_token)
+    run.pool.check_idle()

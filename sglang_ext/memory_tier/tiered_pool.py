@@ -286,6 +286,10 @@ class TieredPool:
         self.pcie_holds = 0  # requests the PCIe term kept in the queue (each counted once)
         self.decode_steps = 0
         self.predicted_bytes = 0  # sum over decode steps of the running rows' prediction
+        # The stream the last batch ran on (SGLang's overlap scheduler runs forwards on a
+        # stream of their own and frees finished requests from its schedule stream while the
+        # next forward, which may still hold them, is in flight): see _after_forward.
+        self._forward_stream: Optional[Any] = None
         logger.info("sglang_ext CPU tier: %s; host store %.2f GB (%s mode)", layout.describe(),
                     self.host.nbytes / 1e9, mode)
 
@@ -819,12 +823,27 @@ class TieredPool:
         cur_new = self.dev_page_of_lp[lp]
         self.dev_page_of_lp[lp] = torch.where(on_host, host_page, cur_new)
 
+    def note_forward_stream(self) -> None:
+        """Called as a batch starts (on the stream its forward runs on)."""
+        if self.device.type == "cuda":
+            self._forward_stream = torch.cuda.current_stream(self.device)
+
+    def _after_forward(self) -> None:
+        """Order the device writes that follow after every forward launched so far. Under the
+        overlap scheduler a request that finished at step t may still be in step t+1's
+        batch, in flight on the forward stream: clearing its tables from the schedule stream
+        meanwhile would let that step map a block to page -1 (an illegal address)."""
+        forward = self._forward_stream
+        if forward is not None and forward != torch.cuda.current_stream(self.device):
+            torch.cuda.current_stream(self.device).wait_stream(forward)
+
     def release_row(self, row: int, req_to_token: Tensor) -> None:
         """Free everything a request row holds (finish, abort, retract)."""
         self._admitted.pop(row, None)
         state = self.rows.pop(row, None)
         if state is None:
             return
+        self._after_forward()
         held = state.sink + state.ring + state.slots
         if held:
             # Forget every logical page translated to a page of this row (window and sink

@@ -40,6 +40,7 @@ class TierDriver(DecodeFeature):
         pool.bind(ctx.req_to_token)
 
     def before_batch(self, forward_batch: Any) -> None:
+        self.pool.note_forward_stream()
         kind = batch_kind(forward_batch)
         req_to_token = self.ctx.req_to_token
         if kind == "idle":
