@@ -171,7 +171,8 @@ def _around_build_mha_kv_pool(original: Callable, self: Any, *, max_total_num_to
 
     def build(_logical_size: int, **kwargs: Any) -> TieredKVPool:
         return TieredKVPool(layout=layout, mode=cfg.tier, timing=cfg.tier_timing == "on",
-                            sync_steps=cfg.tier_sync_steps, **kwargs)
+                            sync_steps=cfg.tier_sync_steps,
+                            attend_resident=cfg.tier_async_attend == "resident", **kwargs)
 
     return original(self, max_total_num_tokens=max_total_num_tokens,
                     mha_pool_class=build, quant_method=quant_method)
@@ -194,7 +195,7 @@ def _around_build_mla_kv_pool(original: Callable, self: Any, *,
         enable_memory_saver=self.server_args.enable_memory_saver,
         start_layer=self.layer_info.start_layer, end_layer=self.layer_info.end_layer,
         layout=layout, mode=cfg.tier, timing=cfg.tier_timing == "on",
-        sync_steps=cfg.tier_sync_steps,
+        sync_steps=cfg.tier_sync_steps, attend_resident=cfg.tier_async_attend == "resident",
     )
 
 

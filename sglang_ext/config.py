@@ -29,6 +29,9 @@ TIER_MODES = ("off", "sync", "async")
 TIER_METHODS = ("quest", "two_level")  # the tier fetches what a block filter chose
 DENSE_DECODE_MODES = ("sglang", "float32")  # the reference decode's dense rows
 ON_OFF = ("off", "on")
+# async tier: attend the previous step's blocks, or this step's resident blocks and the previous
+# step's in place of this step's misses (memory_tier/working_set.py)
+TIER_ASYNC_ATTEND = ("previous", "resident")
 BLOCK_FILTER_MODES = ("sync", "async")
 BLOCK_SCORE_MODES = ("auto", *BLOCK_SCORES)
 # The locality constraint's query-agnostic scores (selection/locality.py: SCORE_KINDS).
@@ -59,6 +62,7 @@ class SparseConfig:
     tier_gpu_tokens: int = 0  # 0 = auto: what the GPU holds after the working area
     tier_timing: str = "off"  # stream-clock timing of the tier's transfers: see ON_OFF
     tier_sync_steps: int = 0  # async tier: a request's first steps fetched on the critical path
+    tier_async_attend: str = "previous"  # async tier: what a step attends, see TIER_ASYNC_ATTEND
     # The tier admission's PCIe term (memory_tier/transfer_budget.py): a step may move
     # tier_pcie_gbps x tier_step_ms. On the H200 (PCIe 5 x16) the tier's gather moved 55.6 GB/s
     # contiguous and ~51 GB/s of random 4 KiB blocks beside a decode attention
@@ -236,6 +240,11 @@ _FLAGS: tuple[tuple[str, str, str, str], ...] = (
      "step's blocks while the next ones are prefetched. A short answer is decoded in its first "
      "steps, where the lagged schedule attends the preloaded blocks and then a stale selection. "
      "0 = every step async."),
+    ("tier_async_attend", "--sparse-tier-async-attend", "{previous,resident}",
+     "With --sparse-tier async, what a step attends while its own blocks are fetched: "
+     "'previous' (the blocks the previous step selected, AsyncTLS) or 'resident' (the blocks "
+     "this step selects that are already on the GPU, and previous-step blocks in place of the "
+     "ones still on the host: no transfer waited for, fewer stale blocks)."),
     ("tier_timing", "--sparse-tier-timing", "{off,on}",
      "Time the tier's transfers on the GPU's own clock, inside the decode CUDA graph (a few "
      "tiny kernels per layer): transfer seconds, the part the step waited for, and the hidden "
@@ -473,6 +482,10 @@ def _validate(cfg: SparseConfig) -> None:
         fail("tier_sync_steps", "must be >= 0 (0 = every step async)")
     if cfg.tier_sync_steps and cfg.tier != "async":
         fail("tier_sync_steps", "needs --sparse-tier async (sync fetches every step already)")
+    if cfg.tier_async_attend not in TIER_ASYNC_ATTEND:
+        fail("tier_async_attend", f"must be one of {', '.join(TIER_ASYNC_ATTEND)}")
+    if cfg.tier_async_attend != "previous" and cfg.tier != "async":
+        fail("tier_async_attend", "needs --sparse-tier async (sync attends its own blocks)")
     if cfg.tier_timing not in ON_OFF:
         fail("tier_timing", f"must be one of {', '.join(ON_OFF)}")
     if cfg.tier_timing == "on" and cfg.tier == "off":

@@ -159,3 +159,19 @@ def test_each_sync_steps_value_is_an_async_configuration_of_its_own(tmp_path, mo
                            "--tier-sync-steps", "0", "8"])
     assert code == 0
     assert ran == [("off", 0), ("async", 0), ("async", 8), ("sync", 0)]
+
+
+def test_the_async_tier_attending_resident_blocks_is_a_tier_of_its_own(tmp_path):
+    from benchmarks.accuracy.gpu_suite import config_tag
+
+    assert config_tag("sparse_labels_kpca.json", "async", 4, "resident") == \
+        "_kpca_tierasync_sync4_resident"
+    assert config_tag("sparse_labels_kpca.json", "sync", 0, "resident") == "_kpca_tiersync"
+    paths = []
+    for tag in ("_kpca", "_kpca_tierasync_resident", "_kpca_tierasync_sync4_resident"):
+        path = tmp_path / f"smollm2_b32_bf16{tag}.json"
+        path.write_text(json.dumps({"rows": [_row("two_level", 256, 70, 52, 83, n=40)]}))
+        paths.append(str(path))
+    doc = combine(paths, str(tmp_path / "all.json"))
+    assert {(r["tier"], r["labels"]) for r in doc["rows"]} == {
+        ("off", "kpca"), ("async_resident", "kpca"), ("async_sync4_resident", "kpca")}

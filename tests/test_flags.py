@@ -41,6 +41,8 @@ from server_utils import LABELS, LABELS_BASIS, free_port, launch_command, server
         ({"tier_timing": "on"}, "--sparse-tier-timing"),  # nothing to time without the tier
         ({"tier": "async", "tier_sync_steps": -1}, "--sparse-tier-sync-steps"),
         ({"tier": "sync", "tier_sync_steps": 4}, "--sparse-tier-sync-steps"),  # async only
+        ({"tier": "async", "tier_async_attend": "latest"}, "--sparse-tier-async-attend"),
+        ({"tier": "sync", "tier_async_attend": "resident"}, "--sparse-tier-async-attend"),
         ({"tier": "async", "candidate_blocks": 64}, "--sparse-candidate-blocks"),
         ({"dense_decode": "fp16"}, "--sparse-dense-decode"),
         ({"scoring": "mass"}, "--sparse-scoring"),
@@ -187,7 +189,7 @@ def test_help_lists_our_flags():
                  "--sparse-method", "--sparse-label-config", "--sparse-label-dtype",
                  "--sparse-tier",
                  "--sparse-tier-host-gb", "--sparse-tier-gpu-tokens", "--sparse-tier-timing",
-                 "--sparse-tier-sync-steps",
+                 "--sparse-tier-sync-steps", "--sparse-tier-async-attend",
                  "--sparse-guard-every",
                  "--sparse-guard-recall", "--sparse-guard-max-budget",
                  "--sparse-locality-blocks", "--sparse-locality-new-blocks",

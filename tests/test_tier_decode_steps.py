@@ -66,7 +66,7 @@ SERVER_GPU = Shape(layers=3, kv_heads=4, group=5, head_dim=128, page_size=16, si
 class Run:
     def __init__(self, params: SelectionParams, mode: str, prompt_lens: list[int], steps: int,
                  shape: Shape = SMALL, kv_dtype: torch.dtype = DTYPE, labels: bool = False,
-                 sync_steps: int = 0):
+                 sync_steps: int = 0, attend_resident: bool = False):
         self.params, self.steps, self.shape, self.kv_dtype = params, steps, shape, kv_dtype
         sh, ps = shape, shape.page_size
         dev = self.device = torch.device(sh.device)
@@ -82,7 +82,8 @@ class Run:
             num_slots=max(k_blocks, 1), sink=sh.sink, window=sh.window,
             side_tokens_per_token=1 / ps, gpu_tokens=ps)  # page 0 only: all KV on the host
         self.pool = TieredKVPool(ps, kv_dtype, sh.kv_heads, sh.head_dim, sh.layers, sh.device, False,
-                                 layout=layout, mode=mode, sync_steps=sync_steps)
+                                 layout=layout, mode=mode, sync_steps=sync_steps,
+                                 attend_resident=attend_resident)
         logical = layout.logical_tokens
         # Requests' logical pages: host-homed (>= 1), in a scattered order.
         perm = (torch.randperm(logical // ps - 1, generator=self.gen) + 1)[: len(self.rows) * pages_per_row]
@@ -146,7 +147,9 @@ class Run:
             self._write(layer, loc, self._rand(loc.numel(), sh.kv_heads, sh.head_dim),
                         self._rand(loc.numel(), sh.kv_heads, sh.head_dim))
 
-    def decode_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def decode_step(self, follow_tier: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's (tiered, plain) outputs of one step. ``follow_tier``: the plain decode
+        attends the blocks the tier attended (given candidates), not its own selection."""
         pool, r2t, sh, dev = self.pool, self.req_to_token, self.shape, self.device
         for row in sorted(pool.pending_rows()):
             pool.start_decoding(r2t, row)
@@ -178,12 +181,13 @@ class Run:
                 SelectionInputs(page_map=tier.page_map(layer), on_blocks=on_blocks,
                                 attend_blocks=attend, locality=self._locality(0, layer)),
             ).clone()
+            followed = attend.clone() if follow_tier else None
             tier.after_layer(layer, rpi, r2t, pool.k_buffer[layer], pool.v_buffer[layer])
             want = sparse_decode_batched(
                 q, LayerCache(self.plain_k[layer], self.plain_v[layer], kmin, kmax,
                               channels=self.channels, labels=self.labels[layer]),
                 rows, self.params, 0.25, self.ws_plain,
-                SelectionInputs(locality=self._locality(1, layer)),
+                SelectionInputs(locality=self._locality(1, layer), candidates=followed),
             ).clone()
             outs.append((got, want))
         pool.tier.finish_step()
@@ -532,3 +536,60 @@ def test_a_release_waits_for_the_forward_that_may_still_hold_the_request(monkeyp
     run.pool._forward_stream = None  # a CPU pool records none
     run.pool.release_row(run.rows[1], run.req_to_token)
     run.pool.check_idle()
+
+
+def test_resident_first_keeps_this_steps_resident_blocks_and_fills_the_misses() -> None:
+    from sglang_ext.memory_tier.working_set import resident_first
+
+    page_map = torch.full((3, 1, 10), -1, dtype=torch.int32)
+    page_map[2, 0, [1, 2, 5, 7]] = torch.tensor([11, 12, 15, 17], dtype=torch.int32)
+    current = torch.tensor([[[1, 3, 5, 4]]], dtype=torch.int32)  # 3 and 4 are on the host
+    previous = torch.tensor([[[7, 5, 2, 1]]], dtype=torch.int32)  # 7 and 2 left the selection
+    got = resident_first(current, previous, page_map, torch.tensor([2]))
+    assert got.tolist() == [[[1, 7, 5, 2]]]
+    # no stand-in left (-1 in the previous step's blocks): the miss is skipped
+    got = resident_first(current, torch.tensor([[[5, -1, 7, 1]]], dtype=torch.int32), page_map,
+                         torch.tensor([2]))
+    assert got.tolist() == [[[1, 7, 5, -1]]]
+
+
+@pytest.mark.parametrize("sync_steps", [0, 2])
+def test_async_attending_the_resident_blocks_first(sync_steps: int) -> None:
+    """``--sparse-tier-async-attend resident``: every step equals the plain decode attending
+    the blocks the tier attended, those include every block of this step's selection that was
+    resident, and more of this step's selection is attended than under ``previous``."""
+    ps, sink, window = SMALL.page_size, SMALL.sink, SMALL.window
+    params = SelectionParams("two_level", 24, ps, 3, sink, window)
+    current_share = {}
+    for attend_resident in (False, True):
+        run = Run(params, "async", prompt_lens=[45, 30], steps=6, sync_steps=sync_steps,
+                  attend_resident=attend_resident)
+        tier = run.pool.tier
+        seen = {"wanted": 0, "attended": 0}
+        hooks = tier.decode_hooks
+
+        def counting_hooks(layer, *args, _hooks=hooks, _tier=tier, _seen=seen):
+            on_blocks, attend = _hooks(layer, *args)
+            page_map = _tier.page_map(layer)
+            rpi = args[0]
+
+            def on(blocks):
+                resident = (page_map[rpi[:, None, None], torch.arange(blocks.shape[1])[None, :,
+                            None], blocks.clamp(min=0)] >= 0) & (blocks >= 0)
+                on_blocks(blocks)
+                same = (attend[..., :, None] == blocks[..., None, :]).any(-1) & (attend >= 0)
+                if attend_resident:  # every resident block of this step's selection attended
+                    kept = (blocks[..., :, None] == attend[..., None, :]).any(-1)
+                    assert bool((kept | ~resident).all())
+                _seen["wanted"] += int((blocks >= 0).sum())
+                _seen["attended"] += int(same.sum())
+            return on, attend
+        tier.decode_hooks = counting_hooks
+        run.prefill()
+        for step in range(run.steps):
+            for layer, (got, want) in enumerate(run.decode_step(follow_tier=True)):
+                assert torch.equal(got, want), f"{attend_resident}: step {step} layer {layer}"
+        run.finish()
+        current_share[attend_resident] = seen["attended"] / seen["wanted"]
+    assert current_share[True] > current_share[False], current_share
+

@@ -119,15 +119,18 @@ def running_server(command: list[str], port: int, log_path: str, start_timeout: 
             process.wait(timeout=60)
 
 
-def config_tag(labels: str, tier: str, sync_steps: int = 0) -> str:
+def config_tag(labels: str, tier: str, sync_steps: int = 0, attend: str = "previous") -> str:
     """What follows ``smollm2_b<bs>_<storage>`` in a configuration's file names: a label file
     other than the channels (sparse_labels_kpca.json -> _kpca), then a tier (_tierasync), then
-    the async tier's in-line first steps (_sync4)."""
+    the async tier's in-line first steps (_sync4) and what it attends (_resident)."""
     tag = "" if labels == DEFAULT_LABELS else \
         "_" + os.path.splitext(labels)[0].removeprefix("sparse_labels_")
     if tier == "off":
         return tag
-    return tag + f"_tier{tier}" + (f"_sync{sync_steps}" if tier == "async" and sync_steps else "")
+    if tier != "async":
+        return tag + f"_tier{tier}"
+    return (tag + "_tierasync" + (f"_sync{sync_steps}" if sync_steps else "")
+            + (f"_{attend}" if attend != "previous" else ""))
 
 
 def run_config(args: argparse.Namespace, block_size: int, storage: str,
@@ -136,7 +139,8 @@ def run_config(args: argparse.Namespace, block_size: int, storage: str,
     server answers every setting per request; tiered, one server per (method, budget)."""
     from benchmarks.accuracy import driver
 
-    tag = config_tag(args.labels, tier, sync_steps)
+    attend = getattr(args, "tier_async_attend", "previous")
+    tag = config_tag(args.labels, tier, sync_steps, attend)
     out = os.path.join(args.out_dir, f"smollm2_b{block_size}_{storage}{tag}.json")
     port = 30000 + block_size + (1 if storage == "fp8" else 0) + 2 * TIERS.index(tier)
     launch = launch_args(args.model_dir, block_size, storage, port, args.context_length,
@@ -164,6 +168,8 @@ def run_config(args: argparse.Namespace, block_size: int, storage: str,
     tiered = [*launch, "--sparse-tier", tier, *TIER_ARGS]
     if tier == "async" and sync_steps:
         tiered += ["--sparse-tier-sync-steps", str(sync_steps)]
+    if tier == "async" and attend != "previous":
+        tiered += ["--sparse-tier-async-attend", attend]
     for budget in sorted({b for c in args.contexts for b in budgets_at(c)}):
         contexts = [c for c in args.contexts if budget in budgets_at(c)]
         for method in args.methods:
@@ -187,10 +193,12 @@ def combine(paths: Sequence[str], out: str) -> dict:
         stem = os.path.basename(path)[len("smollm2_b"):-len(".json")]
         block_size, storage, *rest = stem.split("_")
         tiers = [t.removeprefix("tier") for t in rest if t.startswith("tier")]
-        sync = [t for t in rest if t.startswith("sync")]  # async's in-line first steps
-        basis = [t for t in rest if not t.startswith(("tier", "sync"))]
-        if tiers and sync:
-            tiers = [f"{tiers[0]}_{sync[0]}"]  # async_sync4: a tier of its own in tier_gaps
+        # async's in-line first steps and what it attends: async_sync4_resident, a tier of its
+        # own in tier_gaps
+        variants = [t for t in rest if t.startswith("sync") or t == "resident"]
+        basis = [t for t in rest if not t.startswith(("tier", "sync")) and t != "resident"]
+        if tiers and variants:
+            tiers = ["_".join([tiers[0], *variants])]
         configs.append({"file": os.path.basename(path), "commit": doc.get("commit"),
                         "server": doc.get("config", {}).get("server")})
         for r in doc["rows"]:
@@ -307,6 +315,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="the async tier's servers decode each request's first STEPS steps "
                         "with in-line fetches (--sparse-tier-sync-steps; files end in _sync4); "
                         "several values: an async configuration each (0: plain async)")
+    p.add_argument("--tier-async-attend", default="previous", choices=["previous", "resident"],
+                   help="what the async tier's steps attend (--sparse-tier-async-attend; "
+                        "files end in _resident)")
     p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS))
     p.add_argument("--methods", nargs="+", default=["two_level", "two_level_rerank4",
                                                     "two_level_bound", "ds", "ds_rerank4"])

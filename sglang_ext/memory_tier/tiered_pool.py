@@ -219,10 +219,11 @@ class TieredPool:
 
     def __init__(self, *args: Any, layout: TierLayout, mode: str,
                  gather_programs: Optional[int] = None, timing: bool = False,
-                 sync_steps: int = 0, **kwargs: Any) -> None:
+                 sync_steps: int = 0, attend_resident: bool = False, **kwargs: Any) -> None:
         # The pool class's own arguments (SGLang's factory passes them), at G + W device rows.
         super().__init__(layout.device_tokens, *args, **kwargs)
         self.sync_steps = sync_steps  # async: each request's first steps fetched in line
+        self.attend_resident = attend_resident  # async: this step's resident blocks first
         self._init_tier(layout, mode, gather_programs, timing, *self.tier_shape())
 
     def tier_shape(self) -> tuple[int, int, int]:
@@ -312,6 +313,7 @@ class TieredPool:
             max_batch=rows, host=self.host, device=dev, mode=self.mode,
             gather_programs=self.gather_programs, host_page_offset=self.layout.gpu_pages,
             timing=self.timing, sync_steps=self.sync_steps,
+            attend_resident=self.attend_resident,
         )
         self.ring_pages_t = torch.zeros((rows, self.layout.ring_pages), **i32)
         self.ring_block_t = torch.full((rows, self.layout.ring_pages), -1, **i32)

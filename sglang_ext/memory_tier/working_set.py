@@ -26,6 +26,10 @@ quest's blocks). Two schedules (``mode``):
   schedule (its ``C_t`` fetched before the token stage and attended), later ones the ``async``
   one. A short answer is decoded in its first steps, where the lagged schedule would attend the
   preloaded blocks and then a one-step-stale selection; those steps' transfers are exposed.
+* ``async`` with ``attend_resident``: a step attends the blocks of ``C_t`` that are already
+  resident (most of them: the selection turns over slowly) and, in place of each block of
+  ``C_t`` still on the host, one block of ``C_{t-1}`` not in ``C_t`` (resident: prefetched at
+  the previous step). Nothing more is waited for; only the misses are stale.
 
 Everything a step launches has static shapes and no host sync, so it is captured in the
 decode CUDA graph with the rest of the step (the side stream forks and joins inside it).
@@ -75,14 +79,18 @@ class WorkingSetTier:
         host_page_offset: int = 0,
         timing: bool = False,
         sync_steps: int = 0,
+        attend_resident: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
         if sync_steps < 0 or (sync_steps and mode != "async"):
             raise ValueError(f"sync_steps must be >= 0 and only with mode async (got "
                              f"{sync_steps} with {mode})")
+        if attend_resident and mode != "async":
+            raise ValueError("attend_resident goes with mode async")
         self.mode = mode
         self.sync_steps = sync_steps
+        self.attend_resident = attend_resident
         self.gather_programs = gather_programs  # SMs the async gather may occupy (None: all)
         self.host_page_offset = host_page_offset  # logical page - offset = host page
         self.num_layers = num_layers
@@ -206,9 +214,13 @@ class WorkingSetTier:
         wanted = self._wanted[layer, :batch]
         attend = self._attend[layer, :batch]
         torch.index_select(self.attend_rows[:, layer], 0, req_pool_indices, out=attend)
+
+        def remember(blocks: Tensor) -> None:
+            wanted.copy_(blocks)
+            if self.attend_resident:
+                attend.copy_(resident_first(blocks, attend, self.page_maps[:, layer],
+                                            req_pool_indices))
         if not self.sync_steps:
-            def remember(blocks: Tensor) -> None:
-                wanted.copy_(blocks)
             return remember, attend
 
         if layer == 0:  # this step's split of the tiered rows, for every layer
@@ -219,7 +231,7 @@ class WorkingSetTier:
         torch.index_select(self._fresh_tiered, 0, req_pool_indices, out=fresh_rows)
 
         def fetch_fresh_rows_now(blocks: Tensor) -> None:
-            wanted.copy_(blocks)
+            remember(blocks)
             self._timed_fetch(layer, blocks, req_pool_indices, req_to_token, k_buffer,
                               v_buffer, exposed=True, tiered=self._fresh_tiered)
             attend.copy_(torch.where(fresh_rows[:, None, None] != 0, blocks, attend))
@@ -320,3 +332,25 @@ class WorkingSetTier:
             stats.update(transfer_s=transfer / 1e9, exposed_transfer_s=exposed / 1e9,
                          hidden_fraction=1.0 - exposed / transfer if transfer else None)
         return stats
+
+
+def resident_first(current: Tensor, previous: Tensor, page_map: Tensor,
+                   req_pool_indices: Tensor) -> Tensor:
+    """``[B, Hkv, C]`` blocks to attend: each block of ``current`` (this step's selection) that
+    ``page_map`` (``[rows, Hkv, max_blocks]``, -1: not resident) maps, and in place of the r-th
+    one it does not map the r-th block of ``previous`` not in ``current`` (-1 if none). Static
+    shapes, no host sync (CUDA graphs)."""
+    heads = torch.arange(current.shape[1], device=current.device)
+    pages = page_map[req_pool_indices[:, None, None], heads[None, :, None], current.clamp(min=0)]
+    valid = current >= 0
+    hit = valid & (pages >= 0)
+    miss = valid & ~hit
+    in_current = (previous[..., :, None] == current[..., None, :]).any(-1)
+    spare = (previous >= 0) & ~in_current
+    miss_rank = miss.cumsum(-1) - 1
+    spare_rank = spare.cumsum(-1) - 1
+    pair = (miss[..., :, None] & spare[..., None, :]
+            & (miss_rank[..., :, None] == spare_rank[..., None, :]))
+    stand_in = torch.where(pair, previous[..., None, :], -1).amax(-1)
+    return torch.where(hit, current, torch.where(miss, stand_in, -1)).to(current.dtype)
+
