@@ -147,18 +147,21 @@ def test_the_driver_takes_the_servers_own_setting_only_from_one_named_server():
 
 
 def test_each_sync_steps_value_is_an_async_configuration_of_its_own(tmp_path, monkeypatch):
-    """``--tier-sync-steps 0 8``: plain async and async with 8 in-line first steps, each its
-    own server and file; untiered and sync configurations run once."""
+    """``--tier-sync-steps 0 8 --tier-async-attend previous resident``: an async server and
+    file per combination; untiered and sync configurations run once."""
     from benchmarks.accuracy import gpu_suite
 
     ran = []
-    monkeypatch.setattr(gpu_suite, "run_config", lambda args, bs, storage, tier, steps=0:
-                        ran.append((tier, steps)) or str(tmp_path / f"{tier}{steps}.json"))
+    monkeypatch.setattr(gpu_suite, "run_config",
+                        lambda args, bs, storage, tier, steps=0, attend="previous":
+                        ran.append((tier, steps, attend)) or str(tmp_path / f"{tier}{steps}.json"))
     code = gpu_suite.main(["--model-dir", str(tmp_path), "--out-dir", str(tmp_path),
                            "--block-sizes", "32", "--tiers", "off", "async", "sync",
-                           "--tier-sync-steps", "0", "8"])
+                           "--tier-sync-steps", "0", "8", "--tier-async-attend", "previous",
+                           "resident"])
     assert code == 0
-    assert ran == [("off", 0), ("async", 0), ("async", 8), ("sync", 0)]
+    assert ran == [("off", 0, "previous"), ("async", 0, "previous"), ("async", 0, "resident"),
+                   ("async", 8, "previous"), ("async", 8, "resident"), ("sync", 0, "previous")]
 
 
 def test_the_async_tier_attending_resident_blocks_is_a_tier_of_its_own(tmp_path):

@@ -134,12 +134,11 @@ def config_tag(labels: str, tier: str, sync_steps: int = 0, attend: str = "previ
 
 
 def run_config(args: argparse.Namespace, block_size: int, storage: str,
-               tier: str = "off", sync_steps: int = 0) -> str:
+               tier: str = "off", sync_steps: int = 0, attend: str = "previous") -> str:
     """One configuration: the suite at every context; returns the results file. Untiered, one
     server answers every setting per request; tiered, one server per (method, budget)."""
     from benchmarks.accuracy import driver
 
-    attend = getattr(args, "tier_async_attend", "previous")
     tag = config_tag(args.labels, tier, sync_steps, attend)
     out = os.path.join(args.out_dir, f"smollm2_b{block_size}_{storage}{tag}.json")
     port = 30000 + block_size + (1 if storage == "fp8" else 0) + 2 * TIERS.index(tier)
@@ -315,9 +314,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="the async tier's servers decode each request's first STEPS steps "
                         "with in-line fetches (--sparse-tier-sync-steps; files end in _sync4); "
                         "several values: an async configuration each (0: plain async)")
-    p.add_argument("--tier-async-attend", default="previous", choices=["previous", "resident"],
-                   help="what the async tier's steps attend (--sparse-tier-async-attend; "
-                        "files end in _resident)")
+    p.add_argument("--tier-async-attend", nargs="+", default=["previous"],
+                   choices=["previous", "resident"],
+                   help="what the async tier's steps attend (--sparse-tier-async-attend; files "
+                        "end in _resident); several values: an async configuration each")
     p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS))
     p.add_argument("--methods", nargs="+", default=["two_level", "two_level_rerank4",
                                                     "two_level_bound", "ds", "ds_rerank4"])
@@ -328,24 +328,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--minutes-per-context", type=float, default=3.0)
     p.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results", "accuracy"))
     p.add_argument("--combined", default=None,
-                   help="also gather every configuration's rows into this JSON (+ .png)")
+                   help="also gather every configuration's rows into this JSON (+ .png); a bare "
+                        "file name goes into --out-dir")
     args = p.parse_args(argv)
     os.environ["SGLANG_EXT_MODEL_DIR"] = args.model_dir  # the driver's tokenizer
     os.makedirs(args.out_dir, exist_ok=True)
-    # (tier, in-line first steps): the async tier once per --tier-sync-steps value
-    configurations = [(tier, steps) for tier in args.tiers
-                      for steps in (args.tier_sync_steps if tier == "async" else [0])]
+    # (tier, in-line first steps, what it attends): the async tier once per combination of
+    # --tier-sync-steps and --tier-async-attend values
+    configurations = [(tier, steps, attend) for tier in args.tiers
+                      for steps in (args.tier_sync_steps if tier == "async" else [0])
+                      for attend in (args.tier_async_attend if tier == "async" else ["previous"])]
     done = []
     for block_size in args.block_sizes:
         for storage in args.storages:
-            for tier, sync_steps in configurations:
+            for tier, sync_steps, attend in configurations:
                 try:
-                    done.append(run_config(args, block_size, storage, tier, sync_steps))
+                    done.append(run_config(args, block_size, storage, tier, sync_steps, attend))
                 except Exception as e:  # noqa: BLE001 - one failed server must not lose others
                     print(f"[gpu-suite] b{block_size} {storage} tier {tier} failed: {e}",
                           file=sys.stderr, flush=True)
     if args.combined and done:
-        doc = combine(done, args.combined)
+        combined = args.combined if os.path.dirname(args.combined) else \
+            os.path.join(args.out_dir, args.combined)
+        doc = combine(done, combined)
         for tier, gaps in doc.get("tier_gaps", {}).items():
             print(f"[gpu-suite] {tier} tier vs untiered: {gaps['mean_gap']:+.2f} points over "
                   f"{len(gaps['cells'])} cells", flush=True)

@@ -724,6 +724,8 @@ class TieredPool:
         new = (new_slots.reshape(-1)[offs.to(new_slots.device)].long() // ps).tolist()
         changed = [(int(start + o) // ps, a, b) for o, a, b in zip(offs.tolist(), old, new)
                    if a != b]
+        if changed and state.decoding:
+            self._after_forward()  # the tables a step in flight may still read
         # A row still prefilling holds no device copy: its next extend reads the held pages
         # from their homes (prepare_extend reads req_to_token afresh).
         for j, old_lp, new_lp in changed:
@@ -827,7 +829,7 @@ class TieredPool:
 
     def note_forward_stream(self) -> None:
         """Called as a batch starts (on the stream its forward runs on)."""
-        if self.device.type == "cuda":
+        if torch.device(self.device).type == "cuda":  # SGLang's pools keep a str
             self._forward_stream = torch.cuda.current_stream(self.device)
 
     def _after_forward(self) -> None:

@@ -125,6 +125,8 @@ class WorkingSetTier:
             .expand(max_batch, num_kv_heads, num_slots).contiguous()
         )
         self.stats = torch.zeros(3, dtype=torch.int64, device=self.device)
+        # attend_resident: (blocks selected, of them attended at their own step)
+        self.attend_stats = torch.zeros(2, dtype=torch.int64, device=self.device)
         # [rows, R] each row's recent-window ring: its device pages and the block each holds
         # (set by the pool). A wanted block in the ring is fetched into a slot before the ring
         # reuses its page (kernels/working_set.py).
@@ -220,8 +222,16 @@ class WorkingSetTier:
             if self.attend_resident:
                 attend.copy_(resident_first(blocks, attend, self.page_maps[:, layer],
                                             req_pool_indices))
+
+        def count_attended(blocks: Tensor) -> None:
+            if self.attend_resident:  # a block attended at its own step keeps its position
+                valid = blocks >= 0
+                self.attend_stats += torch.stack([valid.sum(), (valid & (attend == blocks)).sum()])
         if not self.sync_steps:
-            return remember, attend
+            def on_blocks(blocks: Tensor) -> None:
+                remember(blocks)
+                count_attended(blocks)
+            return on_blocks, attend
 
         if layer == 0:  # this step's split of the tiered rows, for every layer
             fresh = self.decoded_steps < self.sync_steps
@@ -235,6 +245,7 @@ class WorkingSetTier:
             self._timed_fetch(layer, blocks, req_pool_indices, req_to_token, k_buffer,
                               v_buffer, exposed=True, tiered=self._fresh_tiered)
             attend.copy_(torch.where(fresh_rows[:, None, None] != 0, blocks, attend))
+            count_attended(blocks)
         return fetch_fresh_rows_now, attend
 
     def after_layer(
@@ -326,6 +337,10 @@ class WorkingSetTier:
             "host_wanted_blocks": host_wanted,
             "host_hit_rate": 1.0 - missed / host_wanted if host_wanted else 1.0,
         }
+        if self.attend_resident:
+            selected, current = (int(x) for x in self.attend_stats.tolist())
+            # the share of the selection attended at its own step (the rest: stand-ins)
+            stats["attended_current"] = current / selected if selected else 1.0
         if self.clock is not None:
             ticks = self.clock.read()
             transfer, exposed = ticks[_TRANSFER_NS], min(ticks[_EXPOSED_NS], ticks[_TRANSFER_NS])
