@@ -152,6 +152,8 @@ def test_each_sync_steps_value_is_an_async_configuration_of_its_own(tmp_path, mo
     from benchmarks.accuracy import gpu_suite
 
     ran = []
+    # main points the driver's tokenizer at --model-dir: restored after the test
+    monkeypatch.setenv("SGLANG_EXT_MODEL_DIR", str(tmp_path))
     monkeypatch.setattr(gpu_suite, "run_config",
                         lambda args, bs, storage, tier, steps=0, attend="previous":
                         ran.append((tier, steps, attend)) or str(tmp_path / f"{tier}{steps}.json"))
