@@ -271,7 +271,7 @@ class WorkingSetTier:
                               exposed=True, tiered=tiered)
             self.attend_rows[:, layer].index_copy_(0, req_pool_indices, wanted)
         if self.sync_steps and layer == self.num_layers - 1:
-            # padded graph rows repeat a real row: every copy writes the same value
+            # padded graph rows are row 0 (SGLang zeroes them), which is never a request's
             steps = self.decoded_steps.index_select(0, req_pool_indices)
             self.decoded_steps.index_copy_(0, req_pool_indices,
                                            (steps + 1).clamp_(max=self.sync_steps))
