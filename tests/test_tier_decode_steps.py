@@ -553,17 +553,16 @@ def test_resident_first_keeps_this_steps_resident_blocks_and_fills_the_misses() 
     assert got.tolist() == [[[1, 7, 5, -1]]]
 
 
-@pytest.mark.parametrize("sync_steps", [0, 2])
-def test_async_attending_the_resident_blocks_first(sync_steps: int) -> None:
-    """``--sparse-tier-async-attend resident``: every step equals the plain decode attending
-    the blocks the tier attended, those include every block of this step's selection that was
-    resident, and more of this step's selection is attended than under ``previous``."""
-    ps, sink, window = SMALL.page_size, SMALL.sink, SMALL.window
-    params = SelectionParams("two_level", 24, ps, 3, sink, window)
+def check_resident_attend(params: SelectionParams, prompt_lens: list[int], steps: int,
+                          sync_steps: int, shape: Shape = SMALL) -> None:
+    """Under ``async`` with and without ``--sparse-tier-async-attend resident``: every step
+    equals the plain decode attending the blocks the tier attended; with it, those include every
+    block of this step's selection that was resident, and more of this step's selection is
+    attended than under ``previous``."""
     current_share = {}
     for attend_resident in (False, True):
-        run = Run(params, "async", prompt_lens=[45, 30], steps=4, sync_steps=sync_steps,
-                  attend_resident=attend_resident)
+        run = Run(params, "async", prompt_lens=prompt_lens, steps=steps, shape=shape,
+                  sync_steps=sync_steps, attend_resident=attend_resident)
         tier = run.pool.tier
         seen = {"wanted": 0, "attended": 0}
         hooks = tier.decode_hooks
@@ -574,8 +573,9 @@ def test_async_attending_the_resident_blocks_first(sync_steps: int) -> None:
             rpi = args[0]
 
             def on(blocks):
-                resident = (page_map[rpi[:, None, None], torch.arange(blocks.shape[1])[None, :,
-                            None], blocks.clamp(min=0)] >= 0) & (blocks >= 0)
+                heads = torch.arange(blocks.shape[1], device=blocks.device)
+                resident = (page_map[rpi[:, None, None], heads[None, :, None],
+                                     blocks.clamp(min=0)] >= 0) & (blocks >= 0)
                 on_blocks(blocks)
                 same = (attend[..., :, None] == blocks[..., None, :]).any(-1) & (attend >= 0)
                 if attend_resident:  # every resident block of this step's selection attended
@@ -594,4 +594,21 @@ def test_async_attending_the_resident_blocks_first(sync_steps: int) -> None:
         run.finish()
         current_share[attend_resident] = seen["attended"] / seen["wanted"]
     assert current_share[True] > current_share[False], current_share
+
+
+@pytest.mark.parametrize("sync_steps", [0, 2])
+def test_async_attending_the_resident_blocks_first(sync_steps: int) -> None:
+    ps, sink, window = SMALL.page_size, SMALL.sink, SMALL.window
+    check_resident_attend(SelectionParams("two_level", 24, ps, 3, sink, window), [45, 30],
+                          steps=4, sync_steps=sync_steps)
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_async_attending_the_resident_blocks_first_at_served_shapes() -> None:
+    """The same on the GPU at served shapes, the side stream's prefetch alongside, after two
+    steps fetched in line."""
+    sh = SERVER_GPU
+    params = SelectionParams("two_level", 256, sh.page_size, 80, sh.sink, sh.window)
+    check_resident_attend(params, [1500, 1100], steps=6, sync_steps=2, shape=sh)
 
